@@ -1,0 +1,1 @@
+"""ray_sandbox: isolated gVisor sandboxes for Ray programs."""

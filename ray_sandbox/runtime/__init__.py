@@ -1,0 +1,1 @@
+"""The Ray-free sandbox runtime: images, OCI bundles, runsc lifecycle, exec and files."""

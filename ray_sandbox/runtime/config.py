@@ -1,0 +1,314 @@
+"""SandboxConfig: the one description of a sandbox, shared by the runtime, the Ray layer,
+pools and integrations. Everything is validated here, before any work is done."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from .errors import ConfigError
+
+DEFAULT_IMAGE = "ray-sandbox/python:latest"
+
+# Docker's default capability set (moby oci/caps/defaults.go); the default for sandboxes.
+DOCKER_DEFAULT_CAPABILITIES: tuple[str, ...] = (
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_FSETID",
+    "CAP_FOWNER",
+    "CAP_MKNOD",
+    "CAP_NET_RAW",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETFCAP",
+    "CAP_SETPCAP",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT",
+    "CAP_KILL",
+    "CAP_AUDIT_WRITE",
+)
+
+_KNOWN_CAPS = frozenset(
+    "CAP_" + n
+    for n in (
+        "CHOWN DAC_OVERRIDE DAC_READ_SEARCH FOWNER FSETID KILL SETGID SETUID SETPCAP "
+        "LINUX_IMMUTABLE NET_BIND_SERVICE NET_BROADCAST NET_ADMIN NET_RAW IPC_LOCK IPC_OWNER "
+        "SYS_MODULE SYS_RAWIO SYS_CHROOT SYS_PTRACE SYS_PACCT SYS_ADMIN SYS_BOOT SYS_NICE "
+        "SYS_RESOURCE SYS_TIME SYS_TTY_CONFIG MKNOD LEASE AUDIT_WRITE AUDIT_CONTROL SETFCAP "
+        "MAC_OVERRIDE MAC_ADMIN SYSLOG WAKE_ALARM BLOCK_SUSPEND AUDIT_READ PERFMON BPF "
+        "CHECKPOINT_RESTORE"
+    ).split()
+)
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?|[kmgt]i?|B|b)?\s*$")
+_UNITS = {
+    None: 1, "B": 1, "b": 1,
+    "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+    "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40,
+    "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40,
+}  # fmt: skip
+
+_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
+_DOMAIN_RE = re.compile(r"^(\*\.)?([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)*[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+
+NetworkMode = Literal["none", "public", "host", "sandbox"]
+Platform = Literal["ptrace", "systrap"]
+
+
+def parse_size(value: int | str) -> int:
+    """``"512Mi"``, ``"1Gi"``, ``"100M"`` or a byte count -> bytes."""
+    if isinstance(value, bool):
+        raise ValueError("size must be a number of bytes or a string like '512Mi'")
+    if isinstance(value, int):
+        n = value
+    else:
+        m = _SIZE_RE.match(str(value))
+        if not m:
+            raise ValueError(f"cannot parse size {value!r}; use bytes or e.g. '512Mi', '1Gi'")
+        n = int(float(m.group(1)) * _UNITS[m.group(2)])
+    if n <= 0:
+        raise ValueError(f"size must be positive, got {value!r}")
+    return n
+
+
+class EgressPolicy(BaseModel):
+    """Where a ``public``/``sandbox`` network may connect to, enforced outside gVisor.
+
+    Private, link-local (cloud metadata), CGNAT, multicast and the node's own addresses are
+    denied unless listed in ``allow_cidrs``; ``allow_domains`` admits the addresses those
+    names resolve to through the sandbox's resolver. ``deny_cidrs`` wins over everything.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    allow_cidrs: tuple[str, ...] = ()
+    deny_cidrs: tuple[str, ...] = ()
+    allow_domains: tuple[str, ...] = ()
+    default: Literal["allow", "deny"] = Field(
+        "allow", description="verdict for public addresses not matched by any rule"
+    )
+
+    @field_validator("allow_cidrs", "deny_cidrs")
+    @classmethod
+    def _cidrs(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        out = []
+        for c in v:
+            try:
+                out.append(str(ipaddress.ip_network(c, strict=False)))
+            except ValueError as exc:
+                raise ValueError(f"invalid CIDR {c!r}") from exc
+        return tuple(out)
+
+    @field_validator("allow_domains")
+    @classmethod
+    def _domains(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        out = []
+        for d in v:
+            d2 = d.strip().lower().rstrip(".")
+            if not d2 or len(d2) > 253 or not _DOMAIN_RE.match(d2):
+                raise ValueError(f"invalid domain {d!r}")
+            out.append(d2)
+        return tuple(out)
+
+
+class SandboxConfig(BaseModel):
+    """Everything that describes one sandbox. Immutable; build variants with ``model_copy``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    image: str = DEFAULT_IMAGE
+    cpu: float | None = Field(1.0, description="CPU quota in cores; None = unlimited")
+    memory: int | None = Field(512 * 2**20, description="memory limit in bytes; '512Mi' accepted")
+    disk: int | None = Field(None, description="writable-layer size limit in bytes")
+    env: dict[str, str] = Field(default_factory=dict)
+    workdir: str | None = None
+    readonly: bool = True
+    capabilities: tuple[str, ...] | None = Field(
+        None, description="None = Docker's default set; () = none"
+    )
+    user: str | None = Field(None, description="'name', 'uid' or 'uid:gid'; None = image USER")
+    ttl_seconds: float | None = Field(None, description="wall-clock lifetime; None = forever")
+    timeout_seconds: float | None = Field(300.0, description="default timeout for exec calls")
+    network: NetworkMode = "none"
+    dns: tuple[str, ...] | None = None
+    egress: EgressPolicy | None = None
+    expose_ports: tuple[int, ...] = ()
+    rootless: bool | Literal["auto"] = "auto"
+    platform: Platform = "ptrace"
+    labels: dict[str, str] = Field(default_factory=dict)
+    spec_transform: Callable[[dict[str, Any]], dict[str, Any] | None] | None = Field(
+        None,
+        validation_alias=AliasChoices("spec_transform", "_oci_spec_transform_fn"),
+        exclude=True,
+    )
+
+    @field_validator("memory", "disk", mode="before")
+    @classmethod
+    def _size(cls, v: Any) -> Any:
+        return None if v is None else parse_size(v)
+
+    @field_validator("memory")
+    @classmethod
+    def _min_memory(cls, v: int | None) -> int | None:
+        if v is not None and v < 32 * 2**20:
+            raise ValueError("memory must be at least 32Mi (gVisor itself needs ~25 MiB)")
+        return v
+
+    @field_validator("cpu")
+    @classmethod
+    def _cpu(cls, v: float | None) -> float | None:
+        if v is not None and not (0.01 <= v <= 1024):
+            raise ValueError("cpu must be between 0.01 and 1024 cores")
+        return v
+
+    @field_validator("image")
+    @classmethod
+    def _image(cls, v: str) -> str:
+        if not v or v.strip() != v or any(c in v for c in " \t\n\0"):
+            raise ValueError(f"invalid image reference {v!r}")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        for k, val in v.items():
+            if not _ENV_NAME_RE.match(k):
+                raise ValueError(f"invalid environment variable name {k!r}")
+            if "\0" in val:
+                raise ValueError(f"environment variable {k!r} contains a NUL byte")
+        return v
+
+    @field_validator("workdir")
+    @classmethod
+    def _workdir(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        if not v.startswith("/") or "\0" in v:
+            raise ValueError("workdir must be an absolute path")
+        norm = os.path.normpath(v)
+        if norm in ("/", "/proc", "/sys", "/dev") or norm.startswith(("/proc/", "/sys/", "/dev/")):
+            raise ValueError(f"workdir {v!r} cannot be a system directory")
+        return norm
+
+    @field_validator("capabilities", mode="before")
+    @classmethod
+    def _caps(cls, v: Any) -> Any:
+        if v is None:
+            return None
+        if isinstance(v, str):
+            raise ValueError("capabilities must be a list of names such as ['CAP_CHOWN']")
+        out = []
+        for c in v:
+            name = str(c).upper()
+            name = name if name.startswith("CAP_") else "CAP_" + name
+            if name not in _KNOWN_CAPS:
+                raise ValueError(f"unknown capability {c!r}")
+            out.append(name)
+        return tuple(dict.fromkeys(out))
+
+    @field_validator("user")
+    @classmethod
+    def _user(cls, v: str | None) -> str | None:
+        if v is not None and (not v or any(c in v for c in " \t\n\0/")):
+            raise ValueError(f"invalid user {v!r}")
+        return v
+
+    @field_validator("ttl_seconds", "timeout_seconds")
+    @classmethod
+    def _positive(cls, v: float | None) -> float | None:
+        if v is not None and v <= 0:
+            raise ValueError("must be positive")
+        return v
+
+    @field_validator("dns")
+    @classmethod
+    def _dns(cls, v: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if v is None:
+            return v
+        for a in v:
+            try:
+                ipaddress.ip_address(a)
+            except ValueError as exc:
+                raise ValueError(f"dns entries must be IP addresses, got {a!r}") from exc
+        return v
+
+    @field_validator("expose_ports")
+    @classmethod
+    def _ports(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        for p in v:
+            if not 1 <= p <= 65535:
+                raise ValueError(f"port {p} is out of range 1-65535")
+        if len(set(v)) != len(v):
+            raise ValueError("expose_ports has duplicates")
+        return v
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        for k in v:
+            if not k or len(k) > 253:
+                raise ValueError(f"invalid label key {k!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _combinations(self) -> SandboxConfig:
+        if self.dns is not None and self.network in ("none", "host"):
+            raise ValueError(f"dns= has no effect with network={self.network!r}")
+        if self.egress is not None and self.network not in ("public", "sandbox"):
+            raise ValueError("egress= needs network='public' or 'sandbox'")
+        if self.expose_ports and self.network not in ("public", "sandbox"):
+            raise ValueError("expose_ports= needs network='public' or 'sandbox'")
+        if self.network == "sandbox" and self.effective_rootless:
+            raise ValueError("network='sandbox' needs rootful mode (rootless=False, as root)")
+        if self.rootless is False and os.geteuid() != 0:
+            raise ValueError("rootless=False needs root")
+        return self
+
+    @property
+    def effective_rootless(self) -> bool:
+        """``rootless="auto"`` is rootful as root (sandbox runs as an unprivileged host uid)."""
+        return os.geteuid() != 0 if self.rootless == "auto" else bool(self.rootless)
+
+    @property
+    def effective_capabilities(self) -> tuple[str, ...]:
+        return DOCKER_DEFAULT_CAPABILITIES if self.capabilities is None else self.capabilities
+
+
+def make_config(config: SandboxConfig | Mapping[str, Any] | None = None, **overrides: Any) -> SandboxConfig:
+    """Build a validated :class:`SandboxConfig` from a config and/or keyword arguments.
+
+    Raises :class:`ConfigError` naming the offending field(s).
+    """
+    try:
+        if config is None:
+            return SandboxConfig(**overrides)
+        if isinstance(config, SandboxConfig):
+            if not overrides:
+                return config
+            data = config.model_dump(exclude_unset=True)
+            if config.spec_transform is not None:
+                data["spec_transform"] = config.spec_transform
+            return SandboxConfig(**{**data, **overrides})
+        return SandboxConfig(**{**dict(config), **overrides})
+    except ValidationError as exc:
+        msgs = []
+        for e in exc.errors():
+            loc = ".".join(str(p) for p in e["loc"]) or "config"
+            msgs.append(f"{loc}: {e['msg']}")
+        raise ConfigError("invalid sandbox config: " + "; ".join(msgs)) from None
+    except TypeError as exc:
+        raise ConfigError(f"invalid sandbox config: {exc}") from None

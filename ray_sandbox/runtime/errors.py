@@ -1,0 +1,179 @@
+"""Every error ray_sandbox raises.
+
+    SandboxError                      root of runtime failures; carries sandbox_id, argv, stderr
+    ├── ConfigError (ValueError)      bad configuration or arguments, rejected before any work
+    ├── ToolMissingError              a required binary (runsc, umoci, skopeo, …) is not installed
+    ├── CommandError                  an external tool failed; argv, returncode and stderr attached
+    │   └── CommandTimeoutError       … or did not finish in time (it was killed)
+    ├── ImageError                    anything about images
+    │   ├── ImageReferenceError       unparsable reference
+    │   ├── ImageNotFoundError        no such image/tag in the source or the local store
+    │   ├── RegistryUnreachableError  registry did not answer
+    │   ├── RegistryAuthError         registry refused the credentials
+    │   ├── PlatformNotFoundError     the image has no manifest for the requested platform
+    │   ├── ImageCorruptError         archive/layout/layer is damaged
+    │   └── StoreFullError            no space left for the image store
+    ├── SandboxCreationError          a sandbox could not be created (nothing is left behind)
+    ├── SandboxNotFoundError          unknown or already deleted sandbox id
+    ├── SandboxStateError             operation not allowed in the sandbox's current state
+    ├── SandboxDiedError              the sandbox died during the call (OOM kill, crash)
+    ├── ExecError                     a command could not be started (bad cwd, user, …)
+    ├── SandboxFileError              file operation failed inside the sandbox
+    │   ├── SandboxFileNotFoundError  (also FileNotFoundError)
+    │   ├── SandboxIsADirectoryError  (also IsADirectoryError)
+    │   ├── SandboxNotADirectoryError (also NotADirectoryError)
+    │   ├── SandboxFileExistsError    (also FileExistsError)
+    │   ├── SandboxPermissionError    (also PermissionError)
+    │   └── UnsafePathError           a path or archive member would escape its target
+    └── NetworkError                  network namespace / egress setup failed
+
+A command that runs and exits non-zero is a result (``ExecResult.exit_code``), never an error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class SandboxError(Exception):
+    """Root of every ray_sandbox failure."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        sandbox_id: str | None = None,
+        argv: Sequence[str] | None = None,
+        returncode: int | None = None,
+        stderr: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.sandbox_id = sandbox_id
+        self.argv = list(argv) if argv is not None else None
+        self.returncode = returncode
+        self.stderr = stderr
+
+    def __str__(self) -> str:
+        parts = [self.message]
+        if self.sandbox_id:
+            parts.append(f"sandbox={self.sandbox_id}")
+        if self.argv:
+            parts.append(f"command={' '.join(self.argv)!r}")
+        if self.returncode is not None:
+            parts.append(f"exit={self.returncode}")
+        if self.stderr:
+            parts.append(f"stderr={self.stderr.strip()[-2000:]!r}")
+        return " | ".join(parts)
+
+    def __reduce__(self):  # keep the attributes when Ray pickles the error
+        return (_rebuild, (type(self), self.message, self.__dict__.copy()))
+
+
+def _rebuild(cls: type[SandboxError], message: str, state: dict) -> SandboxError:
+    err = cls.__new__(cls, message)
+    SandboxError.__init__(err, message)
+    err.__dict__.update(state)
+    return err
+
+
+class ConfigError(SandboxError, ValueError):
+    """Invalid configuration or arguments; raised before anything is created."""
+
+
+class ToolMissingError(SandboxError):
+    """A required external binary is not installed."""
+
+
+class CommandError(SandboxError):
+    """An external tool (runsc, umoci, skopeo, …) exited with an error."""
+
+
+class CommandTimeoutError(CommandError):
+    """An external tool did not finish in time and was killed."""
+
+
+class ImageError(SandboxError):
+    """Base class for image failures."""
+
+
+class ImageReferenceError(ImageError, ValueError):
+    """The image reference cannot be parsed."""
+
+
+class ImageNotFoundError(ImageError):
+    """The image (or tag/digest) does not exist where it was looked for."""
+
+
+class RegistryUnreachableError(ImageError):
+    """The registry could not be reached."""
+
+
+class RegistryAuthError(ImageError):
+    """The registry refused the credentials (or demanded some)."""
+
+
+class PlatformNotFoundError(ImageError):
+    """The image index has no manifest for the requested OS/architecture."""
+
+
+class ImageCorruptError(ImageError):
+    """An archive, layout or layer is damaged or not an image."""
+
+
+class StoreFullError(ImageError):
+    """The disk holding the image store is full."""
+
+
+class SandboxCreationError(SandboxError):
+    """A sandbox could not be created; nothing of it was left behind."""
+
+
+class SandboxNotFoundError(SandboxError, KeyError):
+    """No sandbox with this id exists (or it was deleted)."""
+
+    __str__ = SandboxError.__str__
+
+
+class SandboxStateError(SandboxError):
+    """The operation is not allowed in the sandbox's current state."""
+
+
+class SandboxDiedError(SandboxError):
+    """The sandbox stopped while the call was running (OOM kill, crash, delete)."""
+
+
+class ExecError(SandboxError):
+    """A command could not be started (bad cwd, unknown user, bad env)."""
+
+
+class SandboxFileError(SandboxError):
+    """A file operation inside the sandbox failed."""
+
+
+class SandboxFileNotFoundError(SandboxFileError, FileNotFoundError):
+    __str__ = SandboxError.__str__
+
+
+class SandboxIsADirectoryError(SandboxFileError, IsADirectoryError):
+    __str__ = SandboxError.__str__
+
+
+class SandboxNotADirectoryError(SandboxFileError, NotADirectoryError):
+    __str__ = SandboxError.__str__
+
+
+class SandboxFileExistsError(SandboxFileError, FileExistsError):
+    __str__ = SandboxError.__str__
+
+
+class SandboxPermissionError(SandboxFileError, PermissionError):
+    __str__ = SandboxError.__str__
+
+
+class UnsafePathError(SandboxFileError, ValueError):
+    """A path or archive member would land outside its target."""
+
+
+class NetworkError(SandboxError):
+    """Network namespace, egress tool or policy setup failed."""

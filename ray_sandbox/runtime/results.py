@@ -1,0 +1,99 @@
+"""Values returned by the runtime: exec results, output chunks, file and sandbox info."""
+
+from __future__ import annotations
+
+import enum
+from datetime import datetime
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ExecResult(BaseModel):
+    """Outcome of one command. A non-zero ``exit_code`` is a result, not an error.
+
+    ``exit_code`` is the process's exit status, or 128 + signal number when it was killed by a
+    signal (-1 when it never started). ``timed_out`` means the timeout fired and the whole
+    process tree was killed; ``truncated`` means output beyond ``max_output_bytes`` was dropped.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    exit_code: int
+    stdout_bytes: bytes = b""
+    stderr_bytes: bytes = b""
+    duration_seconds: float = 0.0
+    timed_out: bool = False
+    truncated: bool = False
+    signal: int | None = None
+
+    @property
+    def stdout(self) -> str:
+        return self.stdout_bytes.decode("utf-8", errors="replace")
+
+    @property
+    def stderr(self) -> str:
+        return self.stderr_bytes.decode("utf-8", errors="replace")
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out
+
+
+class OutputChunk(BaseModel):
+    """A piece of output from a running command, as it arrived."""
+
+    model_config = ConfigDict(frozen=True)
+
+    stream: str  # "stdout" | "stderr"
+    data: bytes
+
+    @property
+    def text(self) -> str:
+        return self.data.decode("utf-8", errors="replace")
+
+
+class FileType(str, enum.Enum):
+    FILE = "file"
+    DIRECTORY = "directory"
+    SYMLINK = "symlink"
+    OTHER = "other"
+
+
+class FileInfo(BaseModel):
+    """``stat`` of a path inside a sandbox (symlinks are not followed)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    path: str
+    name: str
+    type: FileType
+    size: int
+    mode: int = Field(description="permission bits, e.g. 0o644")
+    uid: int = 0
+    gid: int = 0
+    mtime: float = 0.0
+    link_target: str | None = None
+
+
+class SandboxState(str, enum.Enum):
+    """Lifecycle states, derived from runsc's real container state."""
+
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    PAUSED = "PAUSED"
+    SUSPENDED = "SUSPENDED"
+    TERMINATED = "TERMINATED"
+    ERROR = "ERROR"
+
+
+class SandboxStatus(BaseModel):
+    """What a sandbox is doing now, read from runsc (not from bookkeeping)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    sandbox_id: str
+    state: SandboxState
+    reason: str | None = None  # e.g. "OOMKilled", "Exited", "TTLExpired", "Deleted"
+    created_at: datetime | None = None
+    image: str | None = None
+    labels: dict[str, str] = Field(default_factory=dict)

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# One idempotent setup for a fresh Debian 12 (bookworm) or 13 (trixie) machine, run as root:
+# system packages (runsc 0.0~20240729 included), the in-sandbox agent, and the project venv.
+# Both README commands and .ci/run start with it; a second run is a no-op in a few seconds.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VENV=${RAY_SANDBOX_VENV:-$ROOT/.venv}
+RUNSC_WANT=0.0~20240729
+PACKAGES=(
+  runsc umoci skopeo slirp4netns uidmap mmdebstrap docker-registry busybox-static
+  iproute2 nftables util-linux procps psmisc gcc libc6-dev make erofs-utils
+  python3 python3-venv ca-certificates curl
+)
+
+log() { printf '[setup] %s\n' "$*" >&2; }
+
+[ "$(id -u)" = 0 ] || { log "run as root (the sandbox runtime needs it)"; exit 1; }
+. /etc/os-release
+export DEBIAN_FRONTEND=noninteractive
+
+runsc_ok() { command -v runsc >/dev/null && runsc --version 2>/dev/null | grep -q "$RUNSC_WANT"; }
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+done
+
+if [ ${#missing[@]} -gt 0 ] || ! runsc_ok; then
+  case "${VERSION_CODENAME:-}" in
+    bookworm)
+      # runsc in bookworm is 20221219 (no systrap, no file control socket, blocking
+      # checkpoint --leave-running); backports has the 20240729 build we target.
+      uri=$(awk '/^URIs:/{print $2; exit}' /etc/apt/sources.list.d/debian.sources 2>/dev/null || true)
+      uri=${uri:-http://deb.debian.org/debian}
+      cat > /etc/apt/sources.list.d/ray-sandbox-backports.sources <<SRC
+Types: deb
+URIs: $uri
+Suites: bookworm-backports
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+SRC
+      # Only runsc may come from backports.
+      cat > /etc/apt/preferences.d/ray-sandbox-backports <<PIN
+Package: *
+Pin: release n=bookworm-backports
+Pin-Priority: 100
+
+Package: runsc
+Pin: release n=bookworm-backports
+Pin-Priority: 990
+PIN
+      ;;
+    trixie|forky|sid) ;;
+    *) log "untested distribution '${VERSION_CODENAME:-unknown}'; trying its own packages" ;;
+  esac
+  log "installing system packages: ${missing[*]:-runsc}"
+  apt-get update -q >/dev/null
+  apt-get install -y -q --no-install-recommends "${PACKAGES[@]}" >/dev/null
+  runsc_ok || { log "runsc is $(runsc --version 2>&1 | head -1), want $RUNSC_WANT"; exit 1; }
+fi
+
+# The agent is a static C binary bind-mounted read-only into every sandbox; built from the
+# repo's source so no prebuilt binary is ever downloaded.
+make -s -C "$ROOT/ray_sandbox/runtime/agent"
+
+# The venv: reinstalled only when pyproject.toml changes.
+PY=${PYTHON:-python3}
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating venv at $VENV"
+  "$PY" -m venv "$VENV"
+fi
+stamp="$VENV/.ray_sandbox-installed"
+want=$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  log "installing ray_sandbox and its dev dependencies into $VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+  "$VENV/bin/python" -m pip install -q -e "$ROOT[dev]"
+  echo "$want" > "$stamp"
+fi
+log "ready: runsc $(runsc --version | awk '/runsc version/{print $3}'), python $("$VENV/bin/python" -V 2>&1)"
