@@ -1,0 +1,1 @@
+"""The ``ray-sandbox`` command line."""

@@ -1,0 +1,3 @@
+"""Shared pytest setup. Area fixtures live in tests/fx_*.py, each owned by one area."""
+
+pytest_plugins = ["tests.fx_images", "tests.fx_agent", "tests.fx_network"]
