@@ -95,6 +95,7 @@ def run(
     input: bytes | None = None,
     env: Mapping[str, str] | None = None,
     stdout: int | IO | None = subprocess.PIPE,
+    stderr: int | IO | None = subprocess.PIPE,
     check: bool = True,
     classify: Classifier | None = None,
     sandbox_id: str | None = None,
@@ -110,6 +111,7 @@ def run(
         argv,
         stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
         stdout=stdout,
+        stderr=stderr,
         env=env,
     )
     try:

@@ -63,7 +63,8 @@ _UNITS = {
 }  # fmt: skip
 
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
-_DOMAIN_RE = re.compile(r"^(\*\.)?([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)*[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+_LABEL = r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?"
+_DOMAIN_RE = re.compile(rf"^(\*\.)?({_LABEL}\.)*{_LABEL}$")
 
 NetworkMode = Literal["none", "public", "host", "sandbox"]
 Platform = Literal["ptrace", "systrap"]
@@ -288,7 +289,9 @@ class SandboxConfig(BaseModel):
         return DOCKER_DEFAULT_CAPABILITIES if self.capabilities is None else self.capabilities
 
 
-def make_config(config: SandboxConfig | Mapping[str, Any] | None = None, **overrides: Any) -> SandboxConfig:
+def make_config(
+    config: SandboxConfig | Mapping[str, Any] | None = None, **overrides: Any
+) -> SandboxConfig:
     """Build a validated :class:`SandboxConfig` from a config and/or keyword arguments.
 
     Raises :class:`ConfigError` naming the offending field(s).

@@ -52,7 +52,7 @@ class OutputChunk(BaseModel):
         return self.data.decode("utf-8", errors="replace")
 
 
-class FileType(str, enum.Enum):
+class FileType(enum.StrEnum):
     FILE = "file"
     DIRECTORY = "directory"
     SYMLINK = "symlink"
@@ -75,7 +75,7 @@ class FileInfo(BaseModel):
     link_target: str | None = None
 
 
-class SandboxState(str, enum.Enum):
+class SandboxState(enum.StrEnum):
     """Lifecycle states, derived from runsc's real container state."""
 
     PENDING = "PENDING"

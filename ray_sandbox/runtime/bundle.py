@@ -1,0 +1,208 @@
+"""A sandbox's directory on the node and the OCI bundle inside it.
+
+``home()/sandboxes/<id>/`` holds everything one sandbox owns on the host:
+
+    record.json        SandboxRecord: config, image, owner, runsc flags (the source of truth
+                       for every process on the node, so state survives the creator)
+    bundle/config.json the OCI spec runsc reads (root.path points at the shared image rootfs)
+    run/               bind-mounted rw at /.rsb/run; the agent creates its socket here
+    etc/               generated hosts, resolv.conf, hostname (bind-mounted per file)
+    work/              the writable workdir of a read-only sandbox
+    overlay/           runsc's filestore for the private copy-on-write root (readonly=False)
+    runsc.out/.err     stdio of the detached sandbox
+
+Deleting the directory deletes the sandbox's files; nothing of a sandbox lives elsewhere except
+runsc's own state (in ``home()/runsc``), its cgroups and (for some modes) its network namespace.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import SandboxConfig
+from .spec import (
+    Capabilities,
+    CpuResources,
+    Linux,
+    MemoryResources,
+    Mount,
+    Namespace,
+    Process,
+    Resources,
+    Root,
+    Spec,
+    User,
+)
+
+AGENT_DIR = "/.rsb/bin"
+AGENT_RUN_DIR = "/.rsb/run"
+AGENT_SOCKET = f"{AGENT_RUN_DIR}/agent.sock"
+AGENT_NAME = "rsb-agent"
+CPU_PERIOD_US = 100_000
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+@dataclass(frozen=True)
+class SandboxDir:
+    """Paths of one sandbox's host directory."""
+
+    path: Path
+
+    @property
+    def record(self) -> Path:
+        return self.path / "record.json"
+
+    @property
+    def bundle(self) -> Path:
+        return self.path / "bundle"
+
+    @property
+    def run(self) -> Path:
+        return self.path / "run"
+
+    @property
+    def socket(self) -> Path:
+        return self.run / "agent.sock"
+
+    @property
+    def etc(self) -> Path:
+        return self.path / "etc"
+
+    @property
+    def work(self) -> Path:
+        return self.path / "work"
+
+    @property
+    def overlay(self) -> Path:
+        return self.path / "overlay"
+
+    def create(self) -> None:
+        self.path.mkdir(parents=True, exist_ok=False)
+        for d in (self.bundle, self.run, self.etc):
+            d.mkdir()
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def hosts_file(hostname: str) -> str:
+    return (
+        "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
+        f"127.0.1.1\t{hostname}\n"
+    )
+
+
+def _rootfs_path(rootfs: Path, path: str) -> Path:
+    """``path`` inside the image, without following symlinks out of the rootfs."""
+    return rootfs / path.lstrip("/")
+
+
+def seed_workdir(rootfs: Path, workdir: str, dest: Path) -> None:
+    """Copy the image's content at ``workdir`` (if any) into the sandbox's own writable dir."""
+    src = _rootfs_path(rootfs, workdir)
+    if src.is_dir() and not src.is_symlink():
+        shutil.copytree(src, dest, symlinks=True)
+    else:
+        dest.mkdir()
+
+
+def build_spec(
+    *,
+    sandbox_id: str,
+    config: SandboxConfig,
+    rootfs: Path,
+    image_env: list[str],
+    sdir: SandboxDir,
+    agent_dir: Path,
+    netns_path: str | None = None,
+    with_resolv_conf: bool = False,
+) -> Spec:
+    """The OCI spec for a sandbox whose PID 1 is the agent.
+
+    Resource limits and capabilities in the spec bound everything in the sandbox: the agent
+    (PID 1) and every command it runs inherit them.
+    """
+    hostname = "sandbox-" + sandbox_id[:8]
+    caps = list(config.effective_capabilities)
+    mounts = [
+        Mount(destination="/proc", type="proc", source="proc"),
+        Mount(destination="/dev", type="tmpfs", source="tmpfs",
+              options=["nosuid", "strictatime", "mode=755", "size=65536k"]),
+        Mount(destination="/dev/pts", type="devpts", source="devpts",
+              options=["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"]),
+        Mount(destination="/dev/shm", type="tmpfs", source="shm",
+              options=["nosuid", "noexec", "nodev", "mode=1777"]),
+        Mount(destination="/sys", type="sysfs", source="sysfs",
+              options=["nosuid", "noexec", "nodev", "ro"]),
+        Mount(destination="/tmp", type="tmpfs", source="tmpfs",
+              options=["nosuid", "nodev", "mode=1777"]),
+        Mount(destination=AGENT_DIR, type="bind", source=str(agent_dir),
+              options=["rbind", "ro"]),
+        Mount(destination=AGENT_RUN_DIR, type="bind", source=str(sdir.run),
+              options=["rbind", "rw"]),
+        Mount(destination="/etc/hosts", type="bind", source=str(sdir.etc / "hosts"),
+              options=["rbind", "rw"]),
+        Mount(destination="/etc/hostname", type="bind", source=str(sdir.etc / "hostname"),
+              options=["rbind", "ro"]),
+    ]  # fmt: skip
+    if with_resolv_conf:
+        mounts.append(
+            Mount(destination="/etc/resolv.conf", type="bind",
+                  source=str(sdir.etc / "resolv.conf"), options=["rbind", "rw"])
+        )  # fmt: skip
+    if config.readonly and config.workdir:
+        mounts.append(
+            Mount(destination=config.workdir, type="bind", source=str(sdir.work),
+                  options=["rbind", "rw"])
+        )  # fmt: skip
+
+    resources = Resources()
+    if config.memory is not None:
+        resources.memory = MemoryResources(limit=config.memory)
+    if config.cpu is not None:
+        resources.cpu = CpuResources(quota=int(config.cpu * CPU_PERIOD_US), period=CPU_PERIOD_US)
+
+    namespaces = [Namespace(type=t) for t in ("pid", "ipc", "uts", "mount")]
+    namespaces.append(Namespace(type="network", path=netns_path))
+
+    return Spec(
+        process=Process(
+            terminal=False,
+            user=User(uid=0, gid=0),
+            args=[f"{AGENT_DIR}/{AGENT_NAME}", "init", f"{AGENT_RUN_DIR}/agent.sock"],
+            env=merge_env(image_env, {}),
+            cwd="/",
+            capabilities=Capabilities(bounding=caps, effective=caps, permitted=caps),
+            noNewPrivileges=False,
+        ),
+        root=Root(path=str(rootfs), readonly=config.readonly),
+        hostname=hostname,
+        mounts=mounts,
+        annotations={"dev.ray-sandbox.id": sandbox_id},
+        linux=Linux(namespaces=namespaces, resources=resources),
+    )
+
+
+def merge_env(base: list[str], extra: dict[str, str]) -> list[str]:
+    """``KEY=VALUE`` list: ``base`` overridden by ``extra``; PATH defaulted when missing."""
+    env: dict[str, str] = {}
+    for item in base:
+        k, _, v = item.partition("=")
+        env[k] = v
+    env.update(extra)
+    env.setdefault("PATH", DEFAULT_PATH)
+    return [f"{k}={v}" for k, v in env.items()]
+
+
+def write_bundle(sdir: SandboxDir, spec: Spec, *, hostname: str, resolv_conf: str | None,
+                 hosts: str | None = None) -> None:
+    (sdir.etc / "hosts").write_text(hosts or hosts_file(hostname))
+    (sdir.etc / "hostname").write_text(hostname + "\n")
+    if resolv_conf is not None:
+        (sdir.etc / "resolv.conf").write_text(resolv_conf)
+    tmp = sdir.bundle / "config.json.tmp"
+    tmp.write_text(spec.to_json())
+    os.replace(tmp, sdir.bundle / "config.json")

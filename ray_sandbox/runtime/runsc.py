@@ -1,0 +1,278 @@
+"""The runsc wrapper: the only place that builds runsc argv.
+
+One method per runsc verb. Global flags are assembled in :meth:`Runsc._argv` only; every call
+goes through :mod:`._proc` with a timeout; failures become typed errors carrying the command,
+its stderr and the sandbox id. JSON output (``state``, ``list``, ``events``) is parsed into
+pydantic models.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Sequence
+from functools import cached_property
+from pathlib import Path
+from typing import IO
+
+from pydantic import BaseModel, ConfigDict
+
+from . import _proc
+from .errors import (
+    CommandError,
+    SandboxError,
+    SandboxNotFoundError,
+    SandboxStateError,
+    ToolMissingError,
+)
+
+TARGET_VERSION = "0.0~20240729"
+_DEFAULT_TIMEOUT = 30.0
+
+
+class ContainerState(BaseModel):
+    """``runsc state`` / ``runsc list --format=json`` entry."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    id: str
+    status: str  # creating | created | running | paused | stopped
+    pid: int = -1
+    bundle: str = ""
+    created: str | None = None
+
+
+class RunscVersion(BaseModel):
+    """runsc version and what that build can do."""
+
+    version: str  # e.g. "0.0~20240729.0"
+    date: int  # e.g. 20240729
+
+    @property
+    def has_systrap(self) -> bool:
+        return self.date >= 20230101
+
+    @property
+    def has_file_control_socket(self) -> bool:
+        # 20221219 binds an abstract socket per netns: ids collide across roots and a
+        # container started in another netns looks "stopped" from the root netns.
+        return self.date >= 20230101
+
+    @property
+    def has_nonblocking_leave_running(self) -> bool:
+        return self.date >= 20230101
+
+    @property
+    def overlay_dir_syntax(self) -> str:
+        return "dir=" if self.date >= 20230101 else ""
+
+    def limitations(self) -> list[str]:
+        if self.date >= 20240729:
+            return []
+        return [
+            "no systrap platform (ptrace only)",
+            "abstract control socket: sandbox ids collide across --root dirs",
+            "checkpoint --leave-running blocks until the container exits",
+            "no uncompressed checkpoints",
+        ]
+
+
+def classify(returncode: int, stderr: str) -> type[SandboxError]:
+    """Map a runsc failure to an error class."""
+    s = stderr.lower()
+    if "file does not exist" in s or "no such container" in s or "not found" in s:
+        return SandboxNotFoundError
+    if "in state" in s or "is not running" in s or "cannot" in s and "state" in s:
+        return SandboxStateError
+    return CommandError
+
+
+class Runsc:
+    """runsc bound to one state directory (``--root``) and one platform."""
+
+    def __init__(self, root: Path, *, binary: str | None = None, platform: str = "ptrace") -> None:
+        self.root = Path(root)
+        self.binary = binary or shutil.which("runsc") or "runsc"
+        self.platform = platform
+
+    @cached_property
+    def version(self) -> RunscVersion:
+        out = _proc.run([self.binary, "--version"], timeout=10, what="runsc --version")
+        text = out.stdout.decode()
+        m = re.search(r"runsc version (\S+)", text)
+        if not m:
+            raise ToolMissingError(f"cannot parse runsc version from {text!r}")
+        d = re.search(r"(\d{8})", m.group(1))
+        return RunscVersion(version=m.group(1), date=int(d.group(1)) if d else 0)
+
+    def _argv(
+        self,
+        verb: str,
+        *args: str,
+        network: str | None = None,
+        overlay: str | None = None,
+        rootless: bool = False,
+        platform: str | None = None,
+        host_uds: bool = False,
+    ) -> list[str]:
+        argv = [self.binary, f"--root={self.root}"]
+        if network is not None:
+            argv.append(f"--network={network}")
+        if overlay is not None:
+            argv.append(f"--overlay2={overlay}")
+        if platform is not None or network is not None:
+            argv.append(f"--platform={platform or self.platform}")
+        if host_uds:
+            argv.append("--host-uds=create")
+        if rootless:
+            argv += ["--rootless", "--ignore-cgroups"]
+        return [*argv, verb, *args]
+
+    def _run(self, argv: list[str], sandbox_id: str | None, timeout: float) -> _proc.Completed:
+        verb = next(a for a in argv[1:] if not a.startswith("-"))
+        return _proc.run(
+            argv, timeout=timeout, classify=classify, sandbox_id=sandbox_id, what=f"runsc {verb}"
+        )
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    def run_detached(
+        self,
+        sandbox_id: str,
+        bundle: Path,
+        *,
+        network: str,
+        overlay: str,
+        rootless: bool = False,
+        platform: str | None = None,
+        prefix: Sequence[str] = (),
+        log_dir: Path,
+        timeout: float = 60.0,
+    ) -> None:
+        """``runsc run --detach``. stdio go to files: the sandbox keeps them open forever, so
+        pipes would never reach EOF (PLATFORM §9.2)."""
+        argv = [
+            *prefix,
+            *self._argv(
+                "run",
+                f"--bundle={bundle}",
+                "--detach",
+                sandbox_id,
+                network=network,
+                overlay=overlay,
+                rootless=rootless,
+                platform=platform,
+                host_uds=True,
+            ),
+        ]
+        with open(log_dir / "runsc.out", "ab") as out, open(log_dir / "runsc.err", "ab") as err:
+            start = err.tell()
+            res = _proc.run(
+                argv, timeout=timeout, stdout=out, stderr=err, check=False,
+                sandbox_id=sandbox_id, what="runsc run",
+            )
+        if res.returncode != 0:
+            stderr = (log_dir / "runsc.err").read_bytes()[start:].decode(errors="replace")
+            raise CommandError(
+                "runsc run failed", sandbox_id=sandbox_id, argv=argv,
+                returncode=res.returncode, stderr=stderr,
+            )
+
+    def state(self, sandbox_id: str, *, timeout: float = _DEFAULT_TIMEOUT) -> ContainerState:
+        out = self._run(self._argv("state", sandbox_id), sandbox_id, timeout)
+        return ContainerState.model_validate_json(out.stdout)
+
+    def list(self, *, timeout: float = _DEFAULT_TIMEOUT) -> list[ContainerState]:
+        if not self.root.exists():
+            return []
+        out = self._run(self._argv("list", "--format=json"), None, timeout)
+        data = json.loads(out.stdout or b"null") or []
+        return [ContainerState.model_validate(d) for d in data]
+
+    def kill(
+        self, sandbox_id: str, signal: str = "KILL", *, all: bool = False, pid: int | None = None
+    ) -> None:
+        args = (["--all"] if all else []) + ([f"--pid={pid}"] if pid is not None else [])
+        self._run(self._argv("kill", *args, sandbox_id, signal), sandbox_id, _DEFAULT_TIMEOUT)
+
+    def delete(
+        self, sandbox_id: str, *, timeout: float = _DEFAULT_TIMEOUT, retries: int = 2
+    ) -> None:
+        """``runsc delete --force``; idempotent. Retried: it can fail transiently right after a
+        restore (``context deadline exceeded``, PLATFORM §9.8)."""
+        argv = self._argv("delete", "--force", sandbox_id)
+        for attempt in range(retries + 1):
+            try:
+                self._run(argv, sandbox_id, timeout)
+                return
+            except SandboxNotFoundError:
+                return
+            except CommandError:
+                if attempt == retries:
+                    raise
+                time.sleep(0.2 * (attempt + 1))
+
+    def pause(self, sandbox_id: str) -> None:
+        self._run(self._argv("pause", sandbox_id), sandbox_id, _DEFAULT_TIMEOUT)
+
+    def resume(self, sandbox_id: str) -> None:
+        self._run(self._argv("resume", sandbox_id), sandbox_id, _DEFAULT_TIMEOUT)
+
+    def events_stats(self, sandbox_id: str) -> dict:
+        out = self._run(self._argv("events", "--stats", sandbox_id), sandbox_id, _DEFAULT_TIMEOUT)
+        return json.loads(out.stdout or b"{}")
+
+    # --- exec (the fallback and baseline path; the agent is the fast path) ------------------
+
+    def exec_argv(
+        self,
+        sandbox_id: str,
+        argv: Sequence[str],
+        *,
+        cwd: str | None = None,
+        env: Sequence[str] = (),
+        user: str | None = None,
+    ) -> list[str]:
+        """argv for ``runsc exec`` with stdio on pipes (never regular files, PLATFORM §9.3)."""
+        args: list[str] = []
+        if cwd:
+            args.append(f"--cwd={cwd}")
+        for e in env:
+            args.append(f"--env={e}")
+        if user:
+            args.append(f"--user={user}")
+        return self._argv("exec", *args, sandbox_id, *argv)
+
+    def exec(
+        self,
+        sandbox_id: str,
+        argv: Sequence[str],
+        *,
+        cwd: str | None = None,
+        env: Sequence[str] = (),
+        user: str | None = None,
+        stdin: bytes | None = None,
+        timeout: float,
+    ) -> _proc.Completed:
+        """Run one command with ``runsc exec`` and wait for it (non-zero exit is returned)."""
+        return _proc.run(
+            self.exec_argv(sandbox_id, argv, cwd=cwd, env=env, user=user),
+            timeout=timeout,
+            input=stdin,
+            check=False,
+            sandbox_id=sandbox_id,
+            what="runsc exec",
+        )
+
+    def spawn_exec(
+        self,
+        sandbox_id: str,
+        argv: Sequence[str],
+        *,
+        stdin: int | IO | None = subprocess.PIPE,
+        **kw,
+    ) -> subprocess.Popen:
+        return _proc.spawn(self.exec_argv(sandbox_id, argv, **kw), stdin=stdin)

@@ -1,0 +1,97 @@
+"""SandboxConfig validation: bad values and impossible combinations fail before any work."""
+
+import pytest
+
+from ray_sandbox.runtime.config import (
+    DOCKER_DEFAULT_CAPABILITIES,
+    EgressPolicy,
+    SandboxConfig,
+    make_config,
+    parse_size,
+)
+from ray_sandbox.runtime.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("512Mi", 512 * 2**20), ("1Gi", 2**30), ("100M", 10**8), (4096, 4096), ("1.5Gi", 3 * 2**29)],
+)
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["", "12x", "-1", "Mi", 0, True])
+def test_parse_size_rejects(bad):
+    with pytest.raises(ValueError):
+        parse_size(bad)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"memory": "lots"}, "memory"),
+        ({"memory": "1Mi"}, "memory"),
+        ({"cpu": 0}, "cpu"),
+        ({"env": {"A=B": "x"}}, "env"),
+        ({"env": {"A": "x\0y"}}, "env"),
+        ({"workdir": "relative"}, "workdir"),
+        ({"workdir": "/proc/x"}, "workdir"),
+        ({"capabilities": ["CAP_NOPE"]}, "capabilities"),
+        ({"capabilities": "CAP_CHOWN"}, "capabilities"),
+        ({"network": "wifi"}, "network"),
+        ({"dns": ["not-an-ip"], "network": "public"}, "dns"),
+        ({"expose_ports": [0], "network": "public"}, "expose_ports"),
+        ({"ttl_seconds": -1}, "ttl_seconds"),
+        ({"user": "a b"}, "user"),
+        ({"image": " spaced"}, "image"),
+        ({"bogus": 1}, "bogus"),
+    ],
+)
+def test_field_errors_name_the_field(kwargs, field):
+    with pytest.raises(ConfigError, match=field):
+        make_config(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"dns": ["1.1.1.1"]},  # network none has no resolver
+        {"network": "host", "dns": ["1.1.1.1"]},
+        {"egress": EgressPolicy()},
+        {"expose_ports": [8080]},
+        {"network": "sandbox", "rootless": True},
+    ],
+)
+def test_impossible_combinations(kwargs):
+    with pytest.raises(ConfigError):
+        make_config(**kwargs)
+
+
+def test_spec_transform_alias_and_override_keeps_hook():
+    def hook(spec):
+        return spec
+
+    cfg = make_config(_oci_spec_transform_fn=hook, memory="1Gi")
+    assert cfg.spec_transform is hook and cfg.memory == 2**30
+    again = make_config(cfg, cpu=2)
+    assert again.spec_transform is hook and again.cpu == 2 and again.memory == 2**30
+
+
+def test_capability_names_normalized_and_default_set():
+    assert make_config(capabilities=["chown", "CAP_KILL"]).capabilities == ("CAP_CHOWN", "CAP_KILL")
+    assert make_config().effective_capabilities == DOCKER_DEFAULT_CAPABILITIES
+    assert make_config(capabilities=[]).effective_capabilities == ()
+
+
+def test_egress_policy_validates():
+    p = EgressPolicy(allow_cidrs=["10.1.2.3/8"], allow_domains=["Example.COM."])
+    assert p.allow_cidrs == ("10.0.0.0/8",) and p.allow_domains == ("example.com",)
+    for bad in ({"allow_cidrs": ["10.0.0.0/33"]}, {"allow_domains": ["no spaces.com"]}):
+        with pytest.raises(ValueError):
+            EgressPolicy(**bad)
+
+
+def test_config_is_immutable():
+    cfg = SandboxConfig()
+    with pytest.raises(ValueError):
+        cfg.cpu = 3  # type: ignore[misc]
