@@ -1,0 +1,106 @@
+"""The only place that builds ``skopeo`` command lines: copy images between transports and read
+raw manifests. Failures are classified from skopeo's stderr into the ImageError tree."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import _proc
+from .errors import (
+    ImageCorruptError,
+    ImageError,
+    ImageNotFoundError,
+    PlatformNotFoundError,
+    RegistryAuthError,
+    RegistryUnreachableError,
+    StoreFullError,
+)
+
+# First match wins: a full disk or a platform miss can mention "not found"-like words too.
+_RULES: tuple[tuple[re.Pattern[str], type[ImageError]], ...] = tuple(
+    (re.compile(pattern, re.IGNORECASE), cls)
+    for pattern, cls in (
+        (r"no space left on device|disk quota exceeded", StoreFullError),
+        (r"no image found in (manifest list|image index)", PlatformNotFoundError),
+        (
+            r"unauthorized|requested access to the resource is denied|authentication required"
+            r"|invalid username/password",
+            RegistryAuthError,
+        ),
+        (
+            r"connection refused|no such host|i/o timeout|network is unreachable|no route to host"
+            r"|server gave HTTP response to HTTPS client|TLS handshake|connection reset",
+            RegistryUnreachableError,
+        ),
+        (
+            r"digest did not match|digest mismatch|unexpected EOF|invalid tar header"
+            r"|gzip: invalid header|invalid checksum|invalid character",
+            ImageCorruptError,
+        ),
+        (
+            r"manifest unknown|name unknown|no descriptor found|not found"
+            r"|no such file or directory",
+            ImageNotFoundError,
+        ),
+    )
+)
+
+
+def classify(returncode: int, stderr: str) -> type[ImageError]:
+    """Map a failed skopeo run to the ImageError subclass its stderr describes."""
+    return next((cls for pattern, cls in _RULES if pattern.search(stderr)), ImageError)
+
+
+def _bool(flag: str, value: bool) -> str:
+    return f"{flag}={'true' if value else 'false'}"
+
+
+@dataclass(frozen=True)
+class Skopeo:
+    """skopeo with this node's platform choice and credentials applied to every call."""
+
+    os: str = "linux"
+    arch: str = "amd64"
+    variant: str | None = None
+    authfile: Path | None = None
+    binary: str = "skopeo"
+
+    def _argv(self, tmpdir: Path | None, verb: str, *args: str) -> list[str]:
+        argv = [self.binary, "--override-os", self.os, "--override-arch", self.arch]
+        if self.variant:
+            argv += ["--override-variant", self.variant]
+        if tmpdir is not None:  # archives are unpacked here, not in /var/tmp
+            argv += ["--tmpdir", str(tmpdir)]
+        return [*argv, verb, *args]
+
+    def copy(
+        self,
+        src: str,
+        dest: str,
+        *,
+        timeout: float,
+        src_tls_verify: bool = True,
+        dest_tls_verify: bool = True,
+        all_images: bool = False,
+        tmpdir: Path | None = None,
+    ) -> None:
+        """``skopeo copy SRC DEST`` (one platform unless ``all_images``)."""
+        args = ["--quiet", _bool("--src-tls-verify", src_tls_verify),
+                _bool("--dest-tls-verify", dest_tls_verify)]
+        if self.authfile is not None:
+            args += ["--authfile", str(self.authfile)]
+        if all_images:
+            args.append("--all")
+        _proc.run(self._argv(tmpdir, "copy", *args, src, dest), timeout=timeout,
+                  classify=classify, what=f"skopeo copy {src}")
+
+    def inspect_raw(self, src: str, *, timeout: float, tls_verify: bool = True) -> bytes:
+        """The manifest (or image index) of ``src`` exactly as stored, for digesting."""
+        args = ["--raw", _bool("--tls-verify", tls_verify)]
+        if self.authfile is not None:
+            args += ["--authfile", str(self.authfile)]
+        done = _proc.run(self._argv(None, "inspect", *args, src), timeout=timeout,
+                         classify=classify, what=f"skopeo inspect {src}")
+        return done.stdout
