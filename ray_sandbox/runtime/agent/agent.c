@@ -1,0 +1,214 @@
+/* rsb-agent: init (PID 1) of a sandbox and its in-sandbox executor.
+ *
+ *   rsb-agent init SOCKET   listen on SOCKET, fork one handler per connection, reap zombies
+ *   rsb-agent version       print the version the host compares with its own
+ *
+ * The init loop only accepts, forks and reaps, so nothing a command does can crash it; all
+ * request work happens in the per-connection handler processes. */
+#include "agent.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define VERSION_STR "rsb-agent/" STR(PROTOCOL_VERSION) "+" RSB_SOURCE_HASH
+#define STR(x) STR_(x)
+#define STR_(x) #x
+#define RECHECK_US 500000 /* how often the socket path is checked for deletion */
+
+static volatile sig_atomic_t init_sigchld;
+
+static void on_init_sigchld(int sig)
+{
+    (void)sig;
+    init_sigchld = 1;
+}
+
+static void log_err(const char *what, const char *arg)
+{
+    fprintf(stderr, "rsb-agent: %s %s: %s\n", what, arg, strerror(errno));
+}
+
+static int dispatch(struct conn *c, const struct frame *f)
+{
+    switch (f->type) {
+    case T_PING:
+        out_begin(c, T_OK);
+        out_str(c, G_VERSION, VERSION_STR);
+        out_end(c);
+        return conn_flush(c) < 0;
+    case T_EXEC: return op_exec(c, f);
+    case T_READ: return op_read(c, f) < 0;
+    case T_WRITE: return op_write(c, f) < 0;
+    case T_STAT: return op_stat(c, f) < 0;
+    case T_LISTDIR: return op_listdir(c, f) < 0;
+    case T_MKDIR: return op_mkdir(c, f) < 0;
+    case T_REMOVE: return op_remove(c, f) < 0;
+    case T_SYMLINK: return op_symlink(c, f) < 0;
+    case T_CHMOD: return op_chmod(c, f) < 0;
+    case T_RENAME: return op_rename(c, f) < 0;
+    case T_WALK: return op_walk(c, f) < 0;
+    case T_CLOSE: return 0; /* end of a stream the agent already answered */
+    default:
+        send_error(c, EPROTO, "unknown request type %d", f->type);
+        return 1;
+    }
+}
+
+/* One connection, served until the client closes it (or it must be retired). */
+static void handler(int fd)
+{
+    struct conn c;
+    struct frame f;
+    /* Orphaned descendants of commands re-parent here, so a timeout can find them all. */
+    if (prctl(PR_SET_CHILD_SUBREAPER, 1) < 0)
+        log_err("prctl", "PR_SET_CHILD_SUBREAPER");
+    exec_init_signals();
+    if (conn_init(&c, fd) < 0)
+        _exit(1);
+    while (conn_recv(&c, &f) > 0)
+        if (dispatch(&c, &f))
+            break;
+    _exit(0);
+}
+
+static int listen_at(const char *path, ino_t *ino)
+{
+    struct sockaddr_un a = {.sun_family = AF_UNIX};
+    struct stat st;
+    if (strlen(path) >= sizeof a.sun_path) {
+        errno = ENAMETOOLONG;
+        return -1;
+    }
+    memcpy(a.sun_path, path, strlen(path) + 1);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd < 0)
+        return -1;
+    if (unlink(path) < 0 && errno != ENOENT) { /* bind reports what is in the way */ }
+    if (bind(fd, (struct sockaddr *)&a, sizeof a) < 0 || listen(fd, 256) < 0
+        || stat(path, &st) < 0) {
+        int e = errno;
+        close(fd);
+        errno = e;
+        return -1;
+    }
+    *ino = st.st_ino;
+    return fd;
+}
+
+/* User code may delete or replace the socket file: then listen anew. */
+static int socket_gone(const char *path, ino_t ino)
+{
+    struct stat st;
+    return stat(path, &st) < 0 || st.st_ino != ino || !S_ISSOCK(st.st_mode);
+}
+
+static void accept_all(int lfd)
+{
+    for (;;) {
+        int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        if (fd < 0) {
+            if (errno == EMFILE || errno == ENFILE || errno == ENOMEM || errno == ENOBUFS) {
+                log_err("accept", "");
+                struct timespec ts = {0, 10000000};
+                nanosleep(&ts, NULL);
+            }
+            return;
+        }
+        pid_t pid = fork();
+        if (pid == 0) {
+            close(lfd);
+            handler(fd);
+        }
+        if (pid < 0)
+            log_err("fork", "handler");
+        close(fd);
+    }
+}
+
+static void ensure_stdio(void)
+{
+    for (int i = 0; i < 3; i++) {
+        if (fcntl(i, F_GETFD) >= 0)
+            continue;
+        int fd = open("/dev/null", O_RDWR);
+        if (fd >= 0 && fd != i) {
+            dup2(fd, i);
+            close(fd);
+        }
+    }
+}
+
+static void serve(const char *path)
+{
+    static const int ignored[] = {SIGPIPE, SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1,
+                                  SIGUSR2, SIGALRM, SIGTSTP, SIGTTIN, SIGTTOU};
+    for (size_t i = 0; i < sizeof ignored / sizeof ignored[0]; i++)
+        signal(ignored[i], SIG_IGN);
+    struct sigaction sa = {.sa_handler = on_init_sigchld};
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGCHLD, &sa, NULL);
+    sigset_t block, waitmask;
+    sigemptyset(&block);
+    sigaddset(&block, SIGCHLD);
+    sigprocmask(SIG_BLOCK, &block, &waitmask);
+    sigdelset(&waitmask, SIGCHLD);
+    /* Outside a PID namespace (tests on the host) orphans should still come to us. */
+    if (getpid() != 1 && prctl(PR_SET_CHILD_SUBREAPER, 1) < 0)
+        log_err("prctl", "PR_SET_CHILD_SUBREAPER");
+
+    int lfd = -1, failed = 0;
+    ino_t ino = 0;
+    int64_t checked = 0;
+    for (;;) {
+        int64_t now = now_us();
+        if (lfd < 0 || now - checked >= RECHECK_US) {
+            checked = now;
+            if (lfd < 0 || socket_gone(path, ino)) {
+                if (lfd >= 0)
+                    close(lfd);
+                lfd = listen_at(path, &ino);
+                if (lfd < 0 && !failed++)
+                    log_err("listen", path);
+                if (lfd >= 0)
+                    failed = 0;
+            }
+        }
+        struct pollfd p = {.fd = lfd, .events = POLLIN};
+        struct timespec ts = {0, RECHECK_US * 1000};
+        int n = ppoll(&p, 1, &ts, &waitmask);
+        if (init_sigchld) {
+            init_sigchld = 0;
+            while (waitpid(-1, NULL, WNOHANG) > 0)
+                ;
+        }
+        if (n > 0 && p.revents & POLLIN)
+            accept_all(lfd);
+    }
+}
+
+int main(int argc, char **argv)
+{
+    if (argc == 2 && strcmp(argv[1], "version") == 0) {
+        puts(VERSION_STR);
+        return 0;
+    }
+    if (argc != 3 || strcmp(argv[1], "init") != 0) {
+        fprintf(stderr, "usage: rsb-agent init SOCKET | rsb-agent version\n");
+        return 2;
+    }
+    ensure_stdio();
+    serve(argv[2]);
+    return 1;
+}
