@@ -1,0 +1,362 @@
+"""attach / detach / set_egress / gc / leftovers: the network side of a sandbox's life."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..runtime.config import EgressPolicy, SandboxConfig
+from ..runtime.errors import ConfigError, NetworkError, SandboxError
+from . import alloc, dns, ip, nft, policy, procs, slirp4netns
+from . import netns as _netns
+from . import state as _state
+from .settings import NodeSettings, host_link, node_dir, settings, tag, tag_of
+from .state import NetworkState
+
+MODES = ("none", "host", "public", "sandbox")
+HOSTS = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
+PUBLIC_DNS_ADDR = "127.0.0.53"  # on the sandbox netns' loopback, which hostinet shares
+
+
+class NetworkAttachment(BaseModel):
+    """How the runtime must start runsc for this sandbox's network."""
+
+    model_config = ConfigDict(frozen=True)
+
+    mode: str
+    runsc_network: Literal["none", "host", "sandbox"]
+    netns_path: str | None = None
+    run_prefix: list[str] = Field(default_factory=list)
+    resolv_conf: str | None = None
+    hosts: str = HOSTS
+    endpoints: dict[int, tuple[str, int]] = Field(default_factory=dict)
+
+
+def attach(sandbox_id: str, config: SandboxConfig, state_dir: Path) -> NetworkAttachment:
+    """Create the sandbox's network. Bad input raises :class:`ConfigError` before anything
+    exists; a failure half-way removes what was made and raises :class:`NetworkError`."""
+    mode = config.network
+    _validate(mode, config)
+    tag_ = tag(sandbox_id)
+    if mode == "none":
+        return NetworkAttachment(mode=mode, runsc_network="none")
+    if mode == "host":
+        return NetworkAttachment(mode=mode, runsc_network="host", resolv_conf=_host_resolv())
+    node = settings()
+    st = NetworkState(
+        sandbox_id=sandbox_id, mode=mode, tag=tag_, upstream=node.upstream_netns,
+        internal=(node.veth_pool,), egress=config.egress or EgressPolicy(),
+        expose_addr=node.expose_addr, ports=config.expose_ports,
+    )  # fmt: skip
+    if (_netns.NETNS_DIR / tag_).exists() or _state.load(state_dir) is not None:
+        raise NetworkError(f"network of {sandbox_id} already exists", sandbox_id=sandbox_id)
+    _reserve(st, node, state_dir)
+    try:
+        _state.save(state_dir, st)
+        if mode == "public":
+            return _attach_public(st, config, state_dir)
+        return _attach_nat(st, config, state_dir)
+    except BaseException as exc:
+        try:
+            _teardown(st, state_dir)
+        except SandboxError:
+            pass  # the original failure is the one to report
+        if isinstance(exc, SandboxError):
+            raise
+        raise NetworkError(f"network setup failed: {exc}", sandbox_id=sandbox_id) from exc
+
+
+def _validate(mode: str, config: SandboxConfig) -> None:
+    if mode not in MODES:
+        raise ConfigError(f"unknown network mode {mode!r}; use one of {', '.join(MODES)}")
+    if config.dns is not None and mode not in ("public", "sandbox"):
+        raise ConfigError(f"dns= needs a mode with a resolver (public, sandbox), not {mode!r}")
+    if (config.egress is not None or config.expose_ports) and mode not in ("public", "sandbox"):
+        raise ConfigError("egress= and expose_ports= need network='public' or 'sandbox'")
+    if mode == "sandbox" and config.effective_rootless:
+        raise ConfigError("network='sandbox' needs rootful mode (rootless=False, as root)")
+    if mode in ("public", "sandbox") and os.geteuid() != 0:
+        raise ConfigError(f"network={mode!r} needs root on this node")
+
+
+def _host_resolv() -> str | None:
+    try:
+        return Path("/etc/resolv.conf").read_text()
+    except OSError:
+        return None
+
+
+def _reserve(st: NetworkState, node: NodeSettings, state_dir: Path) -> None:
+    """Lease ports (and a subnet for ``sandbox``) node-wide; the port check happens here,
+    before anything is created."""
+    with alloc.locked() as a:
+        for port in st.ports:
+            key = alloc.port_key(st.upstream, port)
+            if key in a.ports or not _netns.port_free(st.upstream, st.expose_addr, port):
+                raise ConfigError(f"port {st.expose_addr}:{port} is already in use",
+                                  sandbox_id=st.sandbox_id)
+        for port in st.ports:
+            a.ports[alloc.port_key(st.upstream, port)] = alloc.Lease(
+                sandbox_id=st.sandbox_id, upstream=st.upstream)
+        if st.mode == "sandbox":
+            routes = [dst for dst, _ in ip.routes(st.upstream)]
+            st.subnet = alloc.free_subnet(a, node.veth_pool, routes)
+            if a.subnet_users(st.upstream) == 0 and (st.upstream or "") not in a.forwarding:
+                old = _netns.write_sysctl(st.upstream, "net.ipv4.ip_forward", "1")
+                if old != "1":
+                    a.forwarding[st.upstream or ""] = old
+            a.subnets[st.subnet] = alloc.Lease(sandbox_id=st.sandbox_id, upstream=st.upstream)
+        a.state_dirs[st.sandbox_id] = str(state_dir)
+
+
+def _step(st: NetworkState, state_dir: Path, **changes: object) -> None:
+    for k, v in changes.items():
+        setattr(st, k, v)
+    _state.save(state_dir, st)
+
+
+def _sets(st: NetworkState, egress: EgressPolicy) -> policy.Sets:
+    return policy.sets_for(egress, ip.addresses(st.upstream), st.internal)
+
+
+def _start_dns(
+    st: NetworkState, config: SandboxConfig, state_dir: Path, listen: tuple[str, int],
+    nft_netns: str | None,
+) -> int:
+    """Bind the helper's sockets in the namespace the sandbox reaches them from, start it in
+    the upstream; returns the port it listens on."""
+    _write_policy(state_dir, st.egress)
+    udp, tcp = _netns.bind_dns(st.netns if st.mode == "public" else st.upstream, *listen)
+    with udp, tcp:
+        cfg = {
+            "table": st.tag, "nft_netns": nft_netns,
+            "upstreams": list(config.dns or dns.DEFAULT_UPSTREAMS),
+            "policy_path": str(state_dir / _state.POLICY_FILE),
+            "cache_path": str(state_dir / _state.CACHE_FILE),
+            "udp_fd": udp.fileno(), "tcp_fd": tcp.fileno(),
+        }  # fmt: skip
+        proc = dns.start(tag=st.tag, config=cfg, state_dir=state_dir, upstream=st.upstream,
+                         fds=[udp.fileno(), tcp.fileno()])
+        _step(st, state_dir, procs=[*st.procs, procs.track(proc, "dns")])
+        return udp.getsockname()[1]
+
+
+def _write_policy(state_dir: Path, egress: EgressPolicy) -> None:
+    tmp = state_dir / (_state.POLICY_FILE + ".tmp")
+    tmp.write_text(egress.model_dump_json(include={"allow_domains", "default"}))
+    os.replace(tmp, state_dir / _state.POLICY_FILE)
+
+
+def _attach_public(st: NetworkState, config: SandboxConfig, state_dir: Path) -> NetworkAttachment:
+    ip.netns_add(st.tag)
+    _step(st, state_dir, netns=st.tag)
+    api = node_dir() / "sock" / f"{st.tag}.sock"
+    api.parent.mkdir(parents=True, exist_ok=True)
+    log = state_dir / "slirp4netns.log"
+    starting = slirp4netns.start(netns=st.tag, upstream=st.upstream, api_socket=api, log=log)
+    _step(st, state_dir, api_socket=str(api),
+          procs=[*st.procs, procs.track(starting.proc, "slirp4netns")])
+    ip.link_up(st.tag, "lo")
+    nft.apply(st.tag, policy.public_table(st.tag, _sets(st, st.egress)))
+    _step(st, state_dir, table=True, table_netns=st.tag)
+    _start_dns(st, config, state_dir, (PUBLIC_DNS_ADDR, 53), nft_netns=st.tag)
+    slirp4netns.wait_ready(starting, log)
+    for port in st.ports:
+        slirp4netns.add_hostfwd(api, st.expose_addr, port, port)
+    return NetworkAttachment(
+        mode="public", runsc_network="host", netns_path=_netns.netns_path(st.tag),
+        resolv_conf=dns.resolv_conf(PUBLIC_DNS_ADDR), endpoints=_endpoints(st),
+    )  # fmt: skip
+
+
+def _attach_nat(st: NetworkState, config: SandboxConfig, state_dir: Path) -> NetworkAttachment:
+    net = ipaddress.IPv4Network(st.subnet)
+    gateway, address = str(net[1]), str(net[2])
+    link = host_link(st.tag)
+    ip.netns_add(st.tag)
+    _step(st, state_dir, netns=st.tag)
+    ip.batch(st.upstream, ip.veth_commands(link, st.tag, "eth0", f"{gateway}/{net.prefixlen}"))
+    _step(st, state_dir, link=link)
+    ip.batch(st.tag, ip.sandbox_side_commands("eth0", f"{address}/{net.prefixlen}", gateway))
+    if st.ports:
+        # DNAT from the node's loopback to the veth needs 127/8 sources routable there
+        _netns.write_sysctl(st.upstream, f"net.ipv4.conf.{link}.route_localnet", "1")
+    dns_port = _start_dns(st, config, state_dir, (gateway, 0), nft_netns=st.upstream)
+    params = policy.NatParams(
+        link=link, gateway=gateway, address=address, subnet=str(net), dns_port=dns_port,
+        expose_addr=st.expose_addr, ports=st.ports,
+    )  # fmt: skip
+    nft.apply(st.upstream, policy.nat_table(st.tag, _sets(st, st.egress), params))
+    _step(st, state_dir, table=True, table_netns=st.upstream)
+    return NetworkAttachment(
+        mode="sandbox", runsc_network="sandbox", netns_path=_netns.netns_path(st.tag),
+        run_prefix=_netns.mask_proc_sys_net(), resolv_conf=dns.resolv_conf(gateway),
+        endpoints=_endpoints(st),
+    )  # fmt: skip
+
+
+def _endpoints(st: NetworkState) -> dict[int, tuple[str, int]]:
+    return {p: (st.expose_addr, p) for p in st.ports}
+
+
+def detach(sandbox_id: str, state_dir: Path) -> None:
+    """Remove everything attach made for the sandbox (idempotent; works after a crash)."""
+    st = _state.load(state_dir)
+    if st is not None:
+        _teardown(st, state_dir)
+    else:
+        _release({sandbox_id})  # a crash between leasing and the first save
+    _state.remove(state_dir)
+
+
+def _teardown(st: NetworkState, state_dir: Path) -> None:
+    """Undo attach step by step; every step runs even if an earlier one failed."""
+    errors: list[str] = []
+
+    def attempt(fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except (SandboxError, OSError) as exc:
+            errors.append(str(exc))
+
+    for ref in st.procs:
+        attempt(lambda ref=ref: procs.stop(ref))
+    if st.table and st.table_netns != st.netns:  # a table inside our netns goes with it
+        attempt(lambda: nft.delete_table(st.table_netns, "inet", st.tag))
+    if st.link:
+        attempt(lambda: ip.link_delete(st.upstream, st.link))
+    if st.netns:
+        attempt(lambda: ip.netns_delete(st.netns))
+    if st.api_socket:
+        attempt(lambda: Path(st.api_socket).unlink(missing_ok=True))
+    attempt(lambda: _release({st.sandbox_id}))
+    if errors:
+        raise NetworkError("network teardown incomplete: " + "; ".join(errors),
+                           sandbox_id=st.sandbox_id)
+    _state.remove(state_dir)
+
+
+def _release(sandbox_ids: set[str]) -> None:
+    """Drop the leases of ``sandbox_ids``; give ``ip_forward`` back once no veth needs it."""
+    with alloc.locked() as a:
+        for sid in sandbox_ids:
+            a.release(sid)
+        for key in list(a.forwarding):
+            upstream = key or None
+            if a.subnet_users(upstream) == 0 and (not upstream or ip.netns_exists(upstream)):
+                _netns.write_sysctl(upstream, "net.ipv4.ip_forward", a.forwarding.pop(key))
+
+
+def set_egress(sandbox_id: str, state_dir: Path, egress: EgressPolicy) -> None:
+    """Replace the running sandbox's egress policy in one nft transaction; the DNS helper is
+    told to reload. New and open connections see the new policy at once."""
+    st = _state.load(state_dir)
+    if st is None:
+        raise NetworkError("sandbox has no network attached", sandbox_id=sandbox_id)
+    if st.mode not in ("public", "sandbox"):
+        raise ConfigError(f"egress policy needs network='public' or 'sandbox', not {st.mode!r}")
+    egress = EgressPolicy.model_validate(egress)
+    _write_policy(state_dir, egress)
+    script = policy.update_script(st.tag, _sets(st, egress), _cached(state_dir, egress))
+    nft.apply(st.table_netns, script)
+    for ref in st.procs:
+        if ref.what == "dns":
+            procs.signal_if_alive(ref, signal.SIGHUP)
+    _step(st, state_dir, egress=egress)
+
+
+def _cached(state_dir: Path, egress: EgressPolicy) -> dict[str, int]:
+    """Addresses the helper resolved for names that stay allowed, with their time left."""
+    try:
+        cache = json.loads((state_dir / _state.CACHE_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    now = time.time()
+    return {a: int(exp - now) for a, (name, exp) in cache.items()
+            if exp - now >= 1 and policy.domain_allowed(name, egress.allow_domains)}
+
+
+def _live_tags(live_ids: set[str]) -> set[str]:
+    return {tag(i) for i in live_ids}
+
+
+def gc(live_ids: set[str]) -> list[str]:
+    """Remove network leftovers of every sandbox not in ``live_ids`` (after a crash, too):
+    first through recorded state, then by name. Returns what was removed."""
+    live = _live_tags(live_ids)
+    removed: list[str] = []
+    path = node_dir() / "alloc.json"
+    recorded = alloc.Alloc.model_validate_json(path.read_text()) if path.exists() else alloc.Alloc()
+    for sid, d in recorded.state_dirs.items():
+        if tag(sid) not in live:
+            try:
+                detach(sid, Path(d))
+                removed.append(f"sandbox {sid}")
+            except SandboxError:
+                pass  # the sweep below gets what is left
+    for pid, t in procs.ours().items():
+        if t not in live:
+            procs.kill_tagged(pid)
+            removed.append(f"process {pid} ({t})")
+    for upstream in _upstreams():
+        for family, name in nft.tables(upstream):
+            if (t := tag_of(name)) and t not in live:
+                nft.delete_table(upstream, family, name)
+                removed.append(f"nft table {family} {name}")
+        for link in ip.links(upstream):
+            if (t := tag_of(link.split("@")[0])) and t not in live:
+                ip.link_delete(upstream, link.split("@")[0])
+                removed.append(f"link {link}")
+    for name in ip.netns_list():
+        if (t := tag_of(name)) and t not in live:
+            ip.netns_delete(name)
+            removed.append(f"netns {name}")
+    stale = {sid for lease in (*recorded.subnets.values(), *recorded.ports.values())
+             if tag(sid := lease.sandbox_id) not in live}
+    stale |= {sid for sid in recorded.state_dirs if tag(sid) not in live}
+    if stale:
+        _release(stale)
+        removed += [f"leases of {sid}" for sid in sorted(stale)]
+    return removed
+
+
+def _upstreams() -> list[str | None]:
+    """The node's namespace plus the configured upstream, if it exists."""
+    try:
+        up = settings().upstream_netns
+    except ConfigError:
+        up = None
+    return [None] + ([up] if up else [])
+
+
+def leftovers() -> dict[str, list[str]]:
+    """Every network object of this package on the node, by kind (empty lists = clean)."""
+    out: dict[str, list[str]] = {
+        "netns": [n for n in ip.netns_list() if tag_of(n)],
+        "links": [],
+        "nft_tables": [],
+        "processes": [f"{pid} ({t})" for pid, t in sorted(procs.ours().items())],
+        "mounts": [],
+        "leases": [],
+    }
+    for upstream in _upstreams():
+        out["links"] += [f"{upstream or 'node'}:{n}" for n in ip.links(upstream)
+                         if tag_of(n.split("@")[0])]
+        out["nft_tables"] += [f"{upstream or 'node'}:{f} {n}" for f, n in nft.tables(upstream)
+                              if tag_of(n)]
+    with open("/proc/self/mountinfo") as f:
+        out["mounts"] = [m for line in f if tag_of(Path(m := line.split()[4]).name)]
+    path = node_dir() / "alloc.json"
+    if path.exists():
+        a = alloc.Alloc.model_validate_json(path.read_text())
+        out["leases"] = sorted({*a.state_dirs, *(v.sandbox_id for v in a.subnets.values()),
+                                *(v.sandbox_id for v in a.ports.values())})
+    return out

@@ -1,0 +1,277 @@
+"""The per-sandbox filtering DNS forwarder, and the few DNS message helpers it needs.
+
+The sandbox's /etc/resolv.conf points here. The helper answers a name only if the egress policy
+permits it (every name under ``default="allow"``, only ``allow_domains`` under ``"deny"``),
+forwards it to the configured upstream resolvers, and, for allowlisted names, adds the returned
+addresses to the sandbox's nft ``dyn`` set *before* answering, so the connection that follows the
+lookup is already allowed. It runs in the upstream namespace (its own queries never pass the
+sandbox's filter) while its listening sockets, bound by :func:`start`'s caller and inherited,
+sit where the sandbox can reach them. Imports stay light: this is one process per sandbox.
+
+Run as ``python -m ray_sandbox.network.dns CONFIG.json --tag rsb-<tag>``; SIGHUP re-reads the
+policy file, SIGTERM stops it.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from subprocess import Popen
+
+from ..runtime import _proc
+from ..runtime.errors import SandboxError
+from . import netns as _netns
+from . import nft, policy
+
+DEFAULT_UPSTREAMS = ("1.1.1.1", "8.8.8.8")
+MODULE = "ray_sandbox.network.dns"
+A, AAAA = 1, 28
+NOERROR, SERVFAIL, NXDOMAIN, REFUSED = 0, 2, 3, 5
+_UPSTREAM_TIMEOUT = 2.0
+
+
+def resolv_conf(server: str) -> str:
+    return f"nameserver {server}\noptions timeout:2 attempts:2\n"
+
+
+# --- messages -------------------------------------------------------------------------------
+
+
+def _name(msg: bytes, off: int) -> tuple[str, int]:
+    """Decode a (possibly compressed) name at ``off``; returns it and the offset after it."""
+    labels: list[str] = []
+    end = None
+    for _ in range(128):  # bounds pointer loops
+        n = msg[off]
+        if n & 0xC0 == 0xC0:
+            end = off + 2 if end is None else end
+            off = struct.unpack_from("!H", msg, off)[0] & 0x3FFF
+            continue
+        if n == 0:
+            return ".".join(labels).lower(), (off + 1 if end is None else end)
+        labels.append(msg[off + 1 : off + 1 + n].decode("ascii", "replace"))
+        off += 1 + n
+    raise ValueError("name too long")
+
+
+def question(msg: bytes) -> tuple[str, int, int]:
+    """(name, qtype, offset after the question) of a one-question message."""
+    if len(msg) < 12 or struct.unpack_from("!H", msg, 4)[0] != 1:
+        raise ValueError("not a single-question DNS message")
+    name, off = _name(msg, 12)
+    qtype = struct.unpack_from("!H", msg, off)[0]
+    return name, qtype, off + 4
+
+
+def addresses(msg: bytes) -> list[tuple[str, int]]:
+    """(address, ttl) of every A/AAAA record in the answer section."""
+    _, _, off = question(msg)
+    out = []
+    for _ in range(struct.unpack_from("!H", msg, 6)[0]):
+        _, off = _name(msg, off)
+        rtype, _cls, ttl, rdlen = struct.unpack_from("!HHIH", msg, off)
+        off += 10
+        data = msg[off : off + rdlen]
+        if rtype == A and rdlen == 4:
+            out.append((str(ipaddress.IPv4Address(data)), ttl))
+        elif rtype == AAAA and rdlen == 16:
+            out.append((str(ipaddress.IPv6Address(data)), ttl))
+        off += rdlen
+    return out
+
+
+def reply(query: bytes, rcode: int, answers: Sequence[str] = (), ttl: int = 60) -> bytes:
+    """A response to ``query`` carrying ``answers`` (addresses of the queried type)."""
+    _, qtype, end = question(query)
+    records = b""
+    count = 0
+    for a in answers:
+        ip = ipaddress.ip_address(a)
+        if (qtype, ip.version) in ((A, 4), (AAAA, 6)):
+            rtype = A if ip.version == 4 else AAAA
+            records += struct.pack("!HHHIH", 0xC00C, rtype, 1, ttl, len(ip.packed)) + ip.packed
+            count += 1
+    flags = 0x8180 | (struct.unpack_from("!H", query, 2)[0] & 0x0100) | rcode
+    header = struct.pack("!HHHHHH", struct.unpack_from("!H", query)[0], flags, 1, count, 0, 0)
+    return header + query[12:end] + records
+
+
+# --- the helper -----------------------------------------------------------------------------
+
+
+class Helper:
+    """State of one running helper; :meth:`resolve` is the whole decision for one query."""
+
+    def __init__(self, cfg: dict) -> None:
+        self.table: str = cfg["table"]
+        self.nft_netns: str | None = cfg["nft_netns"]
+        self.upstreams: list[str] = cfg["upstreams"]
+        self.policy_path = Path(cfg["policy_path"])
+        self.cache_path = Path(cfg["cache_path"])
+        self.udp = socket.socket(fileno=cfg["udp_fd"])
+        self.tcp = socket.socket(fileno=cfg["tcp_fd"])
+        self.lock = threading.Lock()
+        self.cache: dict[str, tuple[str, float]] = {}  # address -> (name, expiry)
+        self.domains: tuple[str, ...] = ()
+        self.default = "allow"
+        self.reload()
+
+    def reload(self) -> None:
+        """Re-read the policy; re-admit cached addresses of names that are still allowed (the
+        policy update flushed the dyn sets)."""
+        rules = json.loads(self.policy_path.read_text())
+        with self.lock:
+            self.domains = tuple(rules["allow_domains"])
+            self.default = rules["default"]
+            now = time.time()
+            self.cache = {a: (n, exp) for a, (n, exp) in self.cache.items()
+                          if exp > now and policy.domain_allowed(n, self.domains)}
+            keep = {a: exp - now for a, (_, exp) in self.cache.items()}
+        try:
+            self._admit(keep)
+        except SandboxError as exc:
+            print(f"cannot re-admit cached addresses: {exc}", file=sys.stderr, flush=True)
+
+    def permitted(self, name: str) -> bool:
+        return self.default == "allow" or policy.domain_allowed(name, self.domains)
+
+    def resolve(self, query: bytes) -> bytes | None:
+        try:
+            name, _, _ = question(query)
+        except (ValueError, IndexError, struct.error):
+            return None
+        if not self.permitted(name):
+            return reply(query, REFUSED)
+        answer = self._forward(query)
+        if answer is None:
+            return reply(query, SERVFAIL)
+        if policy.domain_allowed(name, self.domains):
+            try:
+                found = {a: policy.dns_timeout(ttl) for a, ttl in addresses(answer)}
+            except (ValueError, IndexError, struct.error):
+                return reply(query, SERVFAIL)
+            try:
+                self._admit(found)
+            except SandboxError as exc:  # never hand out an address the sandbox cannot reach
+                print(f"cannot admit {sorted(found)}: {exc}", file=sys.stderr, flush=True)
+                return reply(query, SERVFAIL)
+            with self.lock:
+                exp = time.time()
+                self.cache.update({a: (name, exp + t) for a, t in found.items()})
+                self._save()
+        return answer
+
+    def _admit(self, found: dict[str, float]) -> None:
+        if found:
+            nft.apply(self.nft_netns, "\n".join(policy.dyn_elements(self.table, found)) + "\n")
+
+    def _save(self) -> None:
+        tmp = self.cache_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.cache))
+        os.replace(tmp, self.cache_path)
+
+    def _forward(self, query: bytes) -> bytes | None:
+        for server in self.upstreams:
+            family = socket.AF_INET6 if ":" in server else socket.AF_INET
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.settimeout(_UPSTREAM_TIMEOUT)
+                try:
+                    s.sendto(query, (server, 53))
+                    data = s.recv(65535)
+                except OSError:
+                    continue
+            if data[:2] != query[:2]:
+                continue
+            if data[2] & 0x02:  # truncated: ask again over TCP
+                data = self._forward_tcp(server, family, query) or data
+            return data
+        return None
+
+    @staticmethod
+    def _forward_tcp(server: str, family: int, query: bytes) -> bytes | None:
+        try:
+            with socket.create_connection((server, 53), timeout=_UPSTREAM_TIMEOUT) as s:
+                s.sendall(struct.pack("!H", len(query)) + query)
+                return _read_framed(s)
+        except OSError:
+            return None
+
+    def serve_udp(self, pool: ThreadPoolExecutor) -> None:
+        while True:
+            query, peer = self.udp.recvfrom(65535)
+            pool.submit(self._answer_udp, query, peer)
+
+    def _answer_udp(self, query: bytes, peer: tuple) -> None:
+        answer = self.resolve(query)
+        if answer is not None:
+            self.udp.sendto(answer, peer)
+
+    def serve_tcp(self) -> None:
+        while True:
+            conn, _ = self.tcp.accept()
+            threading.Thread(target=self._answer_tcp, args=(conn,), daemon=True).start()
+
+    def _answer_tcp(self, conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(10)
+            try:
+                while (query := _read_framed(conn)) is not None:
+                    answer = self.resolve(query)
+                    if answer is None:
+                        return
+                    conn.sendall(struct.pack("!H", len(answer)) + answer)
+            except OSError:
+                return
+
+
+def _read_framed(s: socket.socket) -> bytes | None:
+    def exactly(n: int) -> bytes | None:
+        buf = b""
+        while len(buf) < n:
+            chunk = s.recv(n - len(buf))
+            if not chunk:
+                return None
+            buf += chunk
+        return buf
+
+    head = exactly(2)
+    return exactly(struct.unpack("!H", head)[0]) if head else None
+
+
+def start(
+    *, tag: str, config: dict, state_dir: Path, upstream: str | None, fds: Sequence[int]
+) -> Popen:
+    """Start the helper for sandbox ``tag`` in netns ``upstream``, inheriting socket ``fds``."""
+    path = state_dir / "dns.json"
+    path.write_text(json.dumps(config))
+    argv = [*_netns.enter(upstream), sys.executable, "-m", MODULE, str(path), "--tag", tag]
+    with open(state_dir / "dns.log", "ab") as log:
+        return _proc.spawn(argv, stdout=log, stderr=log, pass_fds=fds)
+
+
+def main(argv: Sequence[str]) -> None:
+    helper = Helper(json.loads(Path(argv[0]).read_text()))
+    hup = threading.Event()
+    signal.signal(signal.SIGHUP, lambda *_: hup.set())
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    pool = ThreadPoolExecutor(max_workers=16)
+    threading.Thread(target=helper.serve_udp, args=(pool,), daemon=True).start()
+    threading.Thread(target=helper.serve_tcp, daemon=True).start()
+    while True:
+        hup.wait()
+        hup.clear()
+        helper.reload()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
