@@ -244,7 +244,8 @@ static void child_fail(int fd, int stage)
     _exit(127);
 }
 
-/* Runs in the forked child: never returns. */
+/* Runs in the vforked child (sharing the handler's memory until exec): only syscalls and
+ * stack buffers here, and it never returns. */
 static void child_exec(const struct exec_req *r, const struct user *u, const int fds[3],
                        int errfd)
 {
@@ -580,7 +581,9 @@ int op_exec(struct conn *c, const struct frame *req)
     sigdelset(&waitmask, SIGCHLD);
 
     run.started_us = now_us();
-    run.pid = ok ? fork() : -1;
+    /* vfork: on gVisor's ptrace platform every address space is a host process, so not
+     * copying the handler's halves the cost of starting a command. */
+    run.pid = ok ? vfork() : -1;
     if (run.pid == 0)
         child_exec(&r, &u, child, errpipe[1]);
     e = errno;
