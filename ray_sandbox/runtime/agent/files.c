@@ -219,9 +219,7 @@ static int open_for_write(const struct freq *q, char *tmp, size_t cap)
             errno = e;
             return -1;
         }
-        tmp[0] = 0;
-        if (errno != EACCES && errno != EPERM && errno != EROFS)
-            return -1;
+        tmp[0] = 0; /* the directory refuses new files: opening the target says why */
     }
     int flags = O_WRONLY | O_CREAT | O_CLOEXEC | (q->append ? O_APPEND : O_TRUNC);
     return open(q->path, flags, mode);
@@ -252,7 +250,7 @@ int op_write(struct conn *c, const struct frame *req)
         const char *base;
         split_dir(q.path, dir, sizeof dir, &base);
         if (make_dirs(dir, 0755, 1) < 0) {
-            e = errno;
+            e = errno == EEXIST ? ENOTDIR : errno; /* a parent exists as a non-directory */
             what = "create parents of";
         }
     }
