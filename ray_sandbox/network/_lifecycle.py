@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..runtime.config import EgressPolicy, SandboxConfig
 from ..runtime.errors import ConfigError, NetworkError, SandboxError
@@ -255,7 +255,7 @@ def _release(sandbox_ids: set[str]) -> None:
                 _netns.write_sysctl(upstream, "net.ipv4.ip_forward", a.forwarding.pop(key))
 
 
-def set_egress(sandbox_id: str, state_dir: Path, egress: EgressPolicy) -> None:
+def set_egress(sandbox_id: str, state_dir: Path, egress: EgressPolicy | dict) -> None:
     """Replace the running sandbox's egress policy in one nft transaction; the DNS helper is
     told to reload. New and open connections see the new policy at once."""
     st = _state.load(state_dir)
@@ -263,7 +263,10 @@ def set_egress(sandbox_id: str, state_dir: Path, egress: EgressPolicy) -> None:
         raise NetworkError("sandbox has no network attached", sandbox_id=sandbox_id)
     if st.mode not in ("public", "sandbox"):
         raise ConfigError(f"egress policy needs network='public' or 'sandbox', not {st.mode!r}")
-    egress = EgressPolicy.model_validate(egress)
+    try:
+        egress = EgressPolicy.model_validate(egress)
+    except ValidationError as exc:
+        raise ConfigError(f"invalid egress policy: {exc}", sandbox_id=sandbox_id) from None
     _write_policy(state_dir, egress)
     script = policy.update_script(st.tag, _sets(st, egress), _cached(state_dir, egress))
     nft.apply(st.table_netns, script)

@@ -1,0 +1,189 @@
+"""attach/detach/gc without sandboxes: bad input, failures half-way, crashes, concurrency."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from ray_sandbox import network
+from ray_sandbox.network import _lifecycle, alloc, procs, slirp4netns
+from ray_sandbox.runtime.config import EgressPolicy, SandboxConfig, make_config
+from ray_sandbox.runtime.errors import ConfigError, NetworkError
+from tests.fx_network import free_port
+
+pytestmark = pytest.mark.usefixtures("clean_network")
+
+
+def _sid() -> str:
+    return secrets.token_hex(16)
+
+
+def _dir(tmp_path: Path, sid: str) -> Path:
+    d = tmp_path / sid
+    d.mkdir()
+    return d
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"network": "bogus"},
+        {"network": "sandbox", "rootless": True},
+        {"network": "host", "dns": ("198.18.1.53",)},
+        {"network": "none", "expose_ports": (8080,)},
+    ],
+)
+def test_bad_input_is_rejected_before_anything_exists(tmp_path: Path, fields: dict) -> None:
+    # model_construct skips SandboxConfig's own checks: attach must not rely on them
+    config = SandboxConfig.model_construct(**{**SandboxConfig().model_dump(), **fields})
+    with pytest.raises(ConfigError):
+        network.attach(_sid(), config, tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_sandbox_id(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError):
+        network.attach("../../x", make_config(network="public"), tmp_path)
+
+
+def test_port_in_use_is_a_config_error(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(ConfigError, match="in use"):
+            network.attach(_sid(), make_config(network="public", expose_ports=(port,)),
+                           _dir(tmp_path, "a"))
+
+
+def test_port_leased_by_another_sandbox_is_a_config_error(tmp_path: Path, upstream) -> None:
+    port = free_port()
+    first = _sid()
+    network.attach(first, make_config(network="sandbox", expose_ports=(port,)),
+                   _dir(tmp_path, first))
+    try:
+        # nothing listens (DNAT), so only the lease can tell
+        with pytest.raises(ConfigError, match="in use"):
+            network.attach(_sid(), make_config(network="public", expose_ports=(port,)),
+                           _dir(tmp_path, "b"))
+    finally:
+        network.detach(first, tmp_path / first)
+
+
+@pytest.mark.parametrize("mode", ["none", "host"])
+def test_trivial_modes_create_nothing(tmp_path: Path, mode: str) -> None:
+    att = network.attach(_sid(), make_config(network=mode), tmp_path)
+    assert att.runsc_network == mode and att.run_prefix == [] and att.netns_path is None
+    assert "localhost" in att.hosts
+    assert list(tmp_path.iterdir()) == []
+    network.detach(_sid(), tmp_path)
+
+
+def test_public_resolver_is_generated_not_inherited(tmp_path: Path, upstream) -> None:
+    sid = _sid()
+    att = network.attach(sid, make_config(network="public"), _dir(tmp_path, sid))
+    try:
+        assert att.resolv_conf.startswith("nameserver 127.0.0.53\n")
+        cfg = json.loads((tmp_path / sid / "dns.json").read_text())
+        assert cfg["upstreams"] == ["1.1.1.1", "8.8.8.8"]  # public resolvers by default
+    finally:
+        network.detach(sid, tmp_path / sid)
+
+
+def test_failed_attach_leaves_nothing(tmp_path: Path, upstream, monkeypatch) -> None:
+    def broken(*args, **kwargs):
+        raise NetworkError("slirp4netns did not come up (injected)")
+
+    monkeypatch.setattr(slirp4netns, "wait_ready", broken)
+    sid = _sid()
+    with pytest.raises(NetworkError, match="injected"):
+        network.attach(sid, make_config(network="public", expose_ports=(free_port(),)),
+                       _dir(tmp_path, sid))
+    assert not (tmp_path / sid / "network.json").exists()
+
+
+def test_detach_is_idempotent(tmp_path: Path, upstream) -> None:
+    sid = _sid()
+    network.attach(sid, make_config(network="sandbox"), _dir(tmp_path, sid))
+    network.detach(sid, tmp_path / sid)
+    network.detach(sid, tmp_path / sid)
+    network.detach(_sid(), tmp_path)  # never attached
+
+
+def _crash(sid: str, config: SandboxConfig, state_dir: Path) -> None:
+    """Attach in a separate process that then dies without detaching."""
+    code = (
+        "import sys; from pathlib import Path; from ray_sandbox import network; "
+        "from ray_sandbox.runtime.config import SandboxConfig; "
+        "c = SandboxConfig.model_validate_json(sys.argv[3]); "
+        "print(network.attach(sys.argv[1], c, Path(sys.argv[2])).model_dump_json())"
+    )
+    subprocess.run([sys.executable, "-c", code, sid, str(state_dir), config.model_dump_json()],
+                   check=True, capture_output=True, timeout=60)
+
+
+def test_gc_after_a_crash(tmp_path: Path, upstream) -> None:
+    live, dead, lost = _sid(), _sid(), _sid()
+    for sid, mode in ((live, "public"), (dead, "sandbox"), (lost, "public")):
+        _crash(sid, make_config(network=mode, expose_ports=(free_port(),)), _dir(tmp_path, sid))
+    (tmp_path / lost / "network.json").unlink()  # its state dir is gone too: sweep by name
+    removed = network.gc({live})
+    assert f"sandbox {dead}" in removed
+    assert any(_lifecycle.tag(lost) in r for r in removed)
+    left = network.leftovers()
+    assert left["netns"] == [_lifecycle.tag(live)]
+    assert all(_lifecycle.tag(live) in p for p in left["processes"]) and left["processes"]
+    assert left["leases"] == [live]
+    network.gc(set())
+    assert not (tmp_path / live / "network.json").exists()
+
+
+def test_concurrent_attaches_get_distinct_subnets(tmp_path: Path, upstream) -> None:
+    sids = [_sid() for _ in range(8)]
+    config = make_config(network="sandbox")
+    dirs = [_dir(tmp_path, s) for s in sids]
+    with ThreadPoolExecutor(4) as pool:
+        # half in other processes, half in this one, all at once
+        futures = [pool.submit(_crash if i < 4 else network.attach, sids[i], config, dirs[i])
+                   for i in range(8)]
+        for f in futures:
+            f.result()
+    try:
+        with alloc.locked() as a:
+            subnets = [k for k, v in a.subnets.items() if v.sandbox_id in sids]
+        assert len(subnets) == 8
+        nets = [ipaddress.ip_network(s) for s in subnets]
+        assert all(not a.overlaps(b) for i, a in enumerate(nets) for b in nets[i + 1 :])
+    finally:
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(network.detach, sids, dirs))
+
+
+def test_set_egress_validates_and_needs_an_attachment(tmp_path: Path, upstream) -> None:
+    with pytest.raises(NetworkError):
+        network.set_egress(_sid(), tmp_path, EgressPolicy())
+    sid = _sid()
+    network.attach(sid, make_config(network="public"), _dir(tmp_path, sid))
+    try:
+        with pytest.raises(ConfigError):
+            network.set_egress(sid, tmp_path / sid, {"allow_cidrs": ["300.1.1.1/8"]})
+        network.set_egress(sid, tmp_path / sid, EgressPolicy(default="deny"))
+        rules = json.loads((tmp_path / sid / "egress.json").read_text())
+        assert rules == {"allow_domains": [], "default": "deny"}
+    finally:
+        network.detach(sid, tmp_path / sid)
+
+
+def test_stop_never_signals_a_recycled_pid() -> None:
+    ref = procs.ProcRef(pid=os.getpid(), start=1, what="stale")  # wrong start time
+    procs.stop(ref)  # must not kill the test process
+    assert not procs.alive(ref)
