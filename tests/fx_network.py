@@ -152,8 +152,8 @@ class FakeInternet:
     inet: str = INET
 
 
-@pytest.fixture(scope="session")
-def fake_internet() -> Iterator[FakeInternet]:
+@contextmanager
+def running_fake_internet() -> Iterator[FakeInternet]:
     """rsbt-node (the stand-in node) and rsbt-inet (the internet) with their servers."""
     for name in (NODE, INET):
         ip.netns_delete(name)  # a previous run that was killed
@@ -182,6 +182,22 @@ def fake_internet() -> Iterator[FakeInternet]:
             ip.netns_delete(name)
 
 
+@contextmanager
+def host_http() -> Iterator[int]:
+    """An HTTP server on the node's own 127.0.0.1; yields its port."""
+    servers = Servers()
+    try:
+        yield servers.add(_listen(None, "127.0.0.1", 0), _serve_http, "host").getsockname()[1]
+    finally:
+        servers.close()
+
+
+@pytest.fixture(scope="session")
+def fake_internet() -> Iterator[FakeInternet]:
+    with running_fake_internet() as inet:
+        yield inet
+
+
 @pytest.fixture
 def upstream(fake_internet: FakeInternet, monkeypatch: pytest.MonkeyPatch) -> FakeInternet:
     """Make rsbt-node the upstream of every sandbox network attached in the test."""
@@ -199,11 +215,8 @@ def net_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.Monke
 
 @pytest.fixture
 def host_server() -> Iterator[int]:
-    """An HTTP server on the node's own 127.0.0.1; yields its port."""
-    servers = Servers()
-    sock = servers.add(_listen(None, "127.0.0.1", 0), _serve_http, "host")
-    yield sock.getsockname()[1]
-    servers.close()
+    with host_http() as port:
+        yield port
 
 
 # --- sandboxes ------------------------------------------------------------------------------
