@@ -152,10 +152,11 @@ static void ensure_stdio(void)
 
 static void serve(const char *path)
 {
-    static const int ignored[] = {SIGPIPE, SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1,
-                                  SIGUSR2, SIGALRM, SIGTSTP, SIGTTIN, SIGTTOU};
-    for (size_t i = 0; i < sizeof ignored / sizeof ignored[0]; i++)
-        signal(ignored[i], SIG_IGN);
+    /* gVisor does not shield a PID namespace's init from signals sent inside it (Linux
+     * does): ignore every signal that can be ignored. SIGKILL and SIGSTOP cannot be. */
+    for (int sig = 1; sig < NSIG; sig++)
+        if (sig != SIGKILL && sig != SIGSTOP && sig != SIGCHLD)
+            signal(sig, SIG_IGN);
     struct sigaction sa = {.sa_handler = on_init_sigchld};
     sigemptyset(&sa.sa_mask);
     sigaction(SIGCHLD, &sa, NULL);

@@ -160,7 +160,6 @@ int resolve_user(const char *spec, struct user *u, char *err, size_t errlen)
     u->uid = known ? pw.uid : (uid_t)id;
     u->gid = known ? pw.gid : 0;
     snprintf(u->home, sizeof u->home, "%s", known ? pw.home : "/");
-    u->ngroups = 0;
     if (group) {
         long long gid = parse_id(group);
         if (gid >= 0) {
@@ -169,8 +168,12 @@ int resolve_user(const char *spec, struct user *u, char *err, size_t errlen)
             snprintf(err, errlen, "unknown group %s (not in /etc/group)", group);
             return ENOENT;
         }
-    } else if (known) {
-        scan_groups(NULL, NULL, pw.name, u);
     }
+    /* Like initgroups: the primary group, plus the user's memberships unless a group was
+     * given explicitly. */
+    u->groups[0] = u->gid;
+    u->ngroups = 1;
+    if (!group && known)
+        scan_groups(NULL, NULL, pw.name, u);
     return 0;
 }
