@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from enum import StrEnum
 from pathlib import Path
+from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -305,6 +306,12 @@ class _RefRecord(BaseModel):
     source_digest: str | None = None  # registry digest of the tag (index or manifest)
 
 
+class _Resolved(NamedTuple):
+    source_digest: str  # digest of what the tag points to (an index or a manifest)
+    digest: str  # the manifest for our platform
+    blobs: list[str]  # its config and layers, to reuse from the pool
+
+
 class _Descriptor(BaseModel):
     media_type: str | None = Field(None, alias="mediaType")
     digest: str
@@ -466,9 +473,8 @@ class ImageStore:
 
     def inspect(self, ref_or_digest: str) -> Image:
         """The stored image for a reference or ``sha256:`` digest; never fetches."""
-        digest, ref_path = self._resolve_local(ref_or_digest)
-        image = self._load(digest, ref=ref_or_digest if ref_path is None
-                           else str(parse_reference(ref_or_digest)), touch=False)
+        digest, parsed = self._resolve_local(ref_or_digest)
+        image = self._load(digest, ref=str(parsed) if parsed else digest, touch=False)
         if image is None:
             raise ImageNotFoundError(f"{ref_or_digest} is not in the image store")
         return image
@@ -495,10 +501,10 @@ class ImageStore:
 
         Raises :class:`ImageInUseError` if the image would be deleted while pinned.
         """
-        digest, ref_path = self._resolve_local(ref_or_digest)
+        digest, parsed = self._resolve_local(ref_or_digest)
         with self._locked(f"img-{_hex(digest)}", time.monotonic() + 60):
             refs = [self._ref_path(r) for r in self._ref_records() if r.digest == digest]
-            doomed = refs if ref_path is None else [ref_path]
+            doomed = refs if parsed is None else [self._ref_file(self._ref_key(parsed))]
             stored = (self._dir(digest) / "image.json").exists()
             if not stored and not refs:
                 raise ImageNotFoundError(f"{ref_or_digest} is not in the image store")
@@ -581,12 +587,15 @@ class ImageStore:
     def _ref_key(self, ref: ImageRef) -> str:
         return self._key(str(ref), str(self.platform))
 
+    def _ref_file(self, key: str) -> Path:
+        return self.root / "refs" / f"{key}.json"
+
     def _ref_path(self, record: _RefRecord) -> Path:
-        return self.root / "refs" / f"{self._key(record.ref, record.platform)}.json"
+        return self._ref_file(self._key(record.ref, record.platform))
 
     def _ref_record(self, key: str) -> _RefRecord | None:
         try:
-            return _RefRecord.model_validate_json((self.root / "refs" / f"{key}.json").read_bytes())
+            return _RefRecord.model_validate_json(self._ref_file(key).read_bytes())
         except FileNotFoundError:
             return None
 
@@ -628,18 +637,16 @@ class ImageStore:
         return Image(ref=ref, digest=record.digest, rootfs=path / "rootfs", config=record.config,
                      size_bytes=record.size_bytes, created=record.created, last_used=last_used)
 
-    def _resolve_local(self, ref_or_digest: str) -> tuple[str, Path | None]:
-        """(digest, path of the reference record) for a stored reference, (digest, None) for a
-        digest."""
+    def _resolve_local(self, ref_or_digest: str) -> tuple[str, ImageRef | None]:
+        """(digest, parsed reference) of a stored reference; (digest, None) for a digest."""
         text = ref_or_digest.strip()
         if re.fullmatch(r"(sha256:)?[0-9a-f]{64}", text):
             return (text if text.startswith("sha256:") else f"sha256:{text}"), None
         parsed = parse_reference(text)
-        key = self._ref_key(parsed)
-        record = self._ref_record(key)
+        record = self._ref_record(self._ref_key(parsed))
         if record is None:
             raise ImageNotFoundError(f"{parsed} is not in the image store")
-        return record.digest, self.root / "refs" / f"{key}.json"
+        return record.digest, parsed
 
     # -- locking and work directories -----------------------------------------------------
 
@@ -686,39 +693,26 @@ class ImageStore:
     # -- fetching -------------------------------------------------------------------------
 
     def _fetch(self, ref: ImageRef, key: str, deadline: float, progress: Progress) -> Image:
-        """Resolve, copy, verify, unpack and publish ``ref``; the caller holds ref-<key>."""
+        """Resolve, copy or build, verify, unpack and publish ``ref``; caller holds ref-<key>."""
+        resolved = None
+        if ref.transport is Transport.DOCKER:
+            progress(f"resolving {ref}")
+            resolved = self._resolve(ref, deadline)
+            known = self._ref_record(key)
+            if known and known.source_digest == resolved.source_digest and (
+                image := self._load(known.digest, ref=str(ref), touch=True)
+            ):
+                return image  # the tag did not move
         try:
             with self._workdir(f"ref-{key}") as work:
                 layout = work / "oci"
-                source_digest = None
-                if ref.transport is Transport.LOCAL:
-                    builder = LOCAL_IMAGES.get(str(ref))
-                    if builder is None:
-                        raise ImageNotFoundError(
-                            f"no builder for {ref}; local images: {sorted(LOCAL_IMAGES)}")
-                    progress(f"building {ref}")
-                    builder(layout, _TAG, timeout=_remaining(deadline))
-                else:
-                    source = ref.source
-                    if ref.transport is Transport.DOCKER:
-                        progress(f"resolving {ref}")
-                        source_digest, digest, blobs = self._resolve(ref, deadline)
-                        known = self._ref_record(key)
-                        if known and known.source_digest == source_digest and (
-                            image := self._load(known.digest, ref=str(ref), touch=True)
-                        ):
-                            return image  # the tag did not move
-                        source = ref.at_digest(digest)  # exactly what was resolved
-                        self._prelink(layout, blobs)
-                    progress(f"copying {ref}")
-                    self._skopeo.copy(source, f"oci:{layout}:{_TAG}", timeout=_remaining(deadline),
-                                      src_tls_verify=not self._insecure(ref), tmpdir=work)
+                self._materialize(ref, resolved, layout, work, deadline, progress)
                 digest = self._ingest(layout, work, deadline, progress)
                 record = _RefRecord(ref=str(ref), platform=str(self.platform), digest=digest,
-                                    source_digest=source_digest)
+                                    source_digest=resolved.source_digest if resolved else None)
                 staged = work / "ref.json"
                 staged.write_text(record.model_dump_json())
-                os.replace(staged, self.root / "refs" / f"{key}.json")
+                os.replace(staged, self._ref_file(key))
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise StoreFullError(f"no space left in the image store {self.root}") from exc
@@ -729,25 +723,47 @@ class ImageStore:
         progress(f"ready {digest}")
         return image
 
+    def _materialize(
+        self, ref: ImageRef, resolved: _Resolved | None, layout: Path, work: Path,
+        deadline: float, progress: Progress,
+    ) -> None:
+        """Put ``ref`` as ``layout:image``: build a local image or copy it with skopeo."""
+        if ref.transport is Transport.LOCAL:
+            builder = LOCAL_IMAGES.get(str(ref))
+            if builder is None:
+                raise ImageNotFoundError(f"no builder for {ref}; local images: "
+                                         f"{sorted(LOCAL_IMAGES)}")
+            progress(f"building {ref}")
+            builder(layout, _TAG, timeout=_remaining(deadline))
+            return
+        source = ref.source
+        if resolved is not None:
+            source = ref.at_digest(resolved.digest)  # exactly what was resolved
+            self._prelink(layout, resolved.blobs)
+        progress(f"copying {ref}")
+        self._skopeo.copy(source, f"oci:{layout}:{_TAG}", timeout=_remaining(deadline),
+                          src_tls_verify=not self._insecure(ref), tmpdir=work)
+
     def _insecure(self, ref: ImageRef) -> bool:
         host = ref.host or ""
         return is_loopback(host) or ref.registry in self.insecure_registries \
             or host in self.insecure_registries
 
-    def _resolve(self, ref: ImageRef, deadline: float) -> tuple[str, str, list[str]]:
-        """(registry digest of the reference, manifest digest for our platform, its blobs)."""
+    def _resolve(self, ref: ImageRef, deadline: float) -> _Resolved:
+        """Read the tag's manifest (one request) and pick the manifest for our platform."""
         tls = not self._insecure(ref)
         raw = self._skopeo.inspect_raw(ref.source, timeout=_remaining(deadline), tls_verify=tls)
         source_digest = _sha256(raw)
         top = _parse_manifest(raw, ref)
         if not top.is_index:
-            return source_digest, source_digest, _blob_digests(top)
+            return _Resolved(source_digest, source_digest, _blob_digests(top))
         for entry in top.manifests:
             p = entry.platform or {}
             if self.platform.matches(p.get("os", ""), p.get("architecture", ""), p.get("variant")):
                 raw = self._skopeo.inspect_raw(ref.at_digest(entry.digest),
                                                timeout=_remaining(deadline), tls_verify=tls)
-                return source_digest, entry.digest, _blob_digests(_parse_manifest(raw, ref))
+                return _Resolved(source_digest, entry.digest,
+                                 _blob_digests(_parse_manifest(raw, ref)))
         offered = sorted({_platform_label(*((e.platform or {}).get(k) for k in
                                             ("os", "architecture", "variant")))
                           for e in top.manifests})
