@@ -351,9 +351,11 @@ def sandboxes(busybox_rootfs: Path, net_home: Path) -> Iterator[Sandboxes]:
 
 @pytest.fixture
 def clean_network(net_home: Path) -> Iterator[None]:
-    """Asserts the test left no namespace, link, table, process, mount or lease behind."""
+    """Asserts the test left no namespace, link, table, process, mount or lease behind (objects
+    that existed before it, e.g. of a concurrent run with another RAY_SANDBOX_HOME, excepted)."""
+    before = network.leftovers()
     yield
-    left = {k: v for k, v in network.leftovers().items() if v}
+    left = {k: new for k, v in network.leftovers().items() if (new := set(v) - set(before[k]))}
     assert not left, f"network leftovers: {left}"
 
 

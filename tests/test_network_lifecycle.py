@@ -187,3 +187,16 @@ def test_stop_never_signals_a_recycled_pid() -> None:
     ref = procs.ProcRef(pid=os.getpid(), start=1, what="stale")  # wrong start time
     procs.stop(ref)  # must not kill the test process
     assert not procs.alive(ref)
+
+
+def test_gc_leaves_other_homes_alone(tmp_path: Path, upstream, net_home: Path,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    sid = _sid()
+    network.attach(sid, make_config(network="public"), _dir(tmp_path, sid))
+    try:
+        monkeypatch.setenv("RAY_SANDBOX_HOME", str(tmp_path / "another-home"))
+        assert network.gc(set()) == []
+        assert _lifecycle.tag(sid) in network.leftovers()["netns"]
+    finally:
+        monkeypatch.setenv("RAY_SANDBOX_HOME", str(net_home))
+        network.detach(sid, tmp_path / sid)

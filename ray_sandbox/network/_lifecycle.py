@@ -18,7 +18,7 @@ from ..runtime.errors import ConfigError, NetworkError, SandboxError
 from . import alloc, dns, ip, nft, policy, procs, slirp4netns
 from . import netns as _netns
 from . import state as _state
-from .settings import NodeSettings, host_link, node_dir, settings, tag, tag_of
+from .settings import NodeSettings, host_link, is_sandbox_id, node_dir, settings, tag, tag_of
 from .state import NetworkState
 
 MODES = ("none", "host", "public", "sandbox")
@@ -237,7 +237,8 @@ def _teardown(st: NetworkState, state_dir: Path) -> None:
         attempt(lambda: ip.netns_delete(st.netns))
     if st.api_socket:
         attempt(lambda: Path(st.api_socket).unlink(missing_ok=True))
-    attempt(lambda: _release({st.sandbox_id}))
+    if not errors:  # while anything is left, the lease keeps it visible to gc
+        attempt(lambda: _release({st.sandbox_id}))
     if errors:
         raise NetworkError("network teardown incomplete: " + "; ".join(errors),
                            sandbox_id=st.sandbox_id)
@@ -251,8 +252,10 @@ def _release(sandbox_ids: set[str]) -> None:
             a.release(sid)
         for key in list(a.forwarding):
             upstream = key or None
-            if a.subnet_users(upstream) == 0 and (not upstream or ip.netns_exists(upstream)):
-                _netns.write_sysctl(upstream, "net.ipv4.ip_forward", a.forwarding.pop(key))
+            if a.subnet_users(upstream) == 0:
+                old = a.forwarding.pop(key)
+                if not upstream or ip.netns_exists(upstream):
+                    _netns.write_sysctl(upstream, "net.ipv4.ip_forward", old)
 
 
 def set_egress(sandbox_id: str, state_dir: Path, egress: EgressPolicy | dict) -> None:
@@ -287,47 +290,53 @@ def _cached(state_dir: Path, egress: EgressPolicy) -> dict[str, int]:
             if exp - now >= 1 and policy.domain_allowed(name, egress.allow_domains)}
 
 
-def _live_tags(live_ids: set[str]) -> set[str]:
-    return {tag(i) for i in live_ids}
-
-
 def gc(live_ids: set[str]) -> list[str]:
-    """Remove network leftovers of every sandbox not in ``live_ids`` (after a crash, too):
-    first through recorded state, then by name. Returns what was removed."""
-    live = _live_tags(live_ids)
+    """Remove the network of every sandbox recorded in this node state (``RAY_SANDBOX_HOME``)
+    that is not in ``live_ids``: through its saved state, then by name for whatever that missed
+    (its state dir may be gone, too). Every object is recorded before it is created, so nothing
+    escapes; sandboxes of another ``RAY_SANDBOX_HOME`` are left alone. Returns what was removed."""
+    recorded = _recorded()
+    dead = recorded.sandbox_ids() - set(live_ids)
     removed: list[str] = []
-    path = node_dir() / "alloc.json"
-    recorded = alloc.Alloc.model_validate_json(path.read_text()) if path.exists() else alloc.Alloc()
-    for sid, d in recorded.state_dirs.items():
-        if tag(sid) not in live:
+    for sid in sorted(dead):
+        if d := recorded.state_dirs.get(sid):
             try:
                 detach(sid, Path(d))
                 removed.append(f"sandbox {sid}")
             except SandboxError:
                 pass  # the sweep below gets what is left
+    live_tags = {tag(s) for s in live_ids if is_sandbox_id(s)}
+    removed += _sweep({tag(s) for s in dead} - live_tags)
+    if dead:
+        _release(dead)
+    return removed
+
+
+def _recorded() -> alloc.Alloc:
+    path = node_dir() / "alloc.json"
+    return alloc.Alloc.model_validate_json(path.read_text()) if path.exists() else alloc.Alloc()
+
+
+def _sweep(tags: set[str]) -> list[str]:
+    """Remove, by name, every process, nft table, link and netns of ``tags``."""
+    removed: list[str] = []
     for pid, t in procs.ours().items():
-        if t not in live:
+        if t in tags:
             procs.kill_tagged(pid)
             removed.append(f"process {pid} ({t})")
     for upstream in _upstreams():
         for family, name in nft.tables(upstream):
-            if (t := tag_of(name)) and t not in live:
+            if tag_of(name) in tags:
                 nft.delete_table(upstream, family, name)
                 removed.append(f"nft table {family} {name}")
         for link in ip.links(upstream):
-            if (t := tag_of(link.split("@")[0])) and t not in live:
-                ip.link_delete(upstream, link.split("@")[0])
+            if tag_of(link) in tags:
+                ip.link_delete(upstream, link)
                 removed.append(f"link {link}")
     for name in ip.netns_list():
-        if (t := tag_of(name)) and t not in live:
+        if tag_of(name) in tags:
             ip.netns_delete(name)
             removed.append(f"netns {name}")
-    stale = {sid for lease in (*recorded.subnets.values(), *recorded.ports.values())
-             if tag(sid := lease.sandbox_id) not in live}
-    stale |= {sid for sid in recorded.state_dirs if tag(sid) not in live}
-    if stale:
-        _release(stale)
-        removed += [f"leases of {sid}" for sid in sorted(stale)]
     return removed
 
 
@@ -351,8 +360,7 @@ def leftovers() -> dict[str, list[str]]:
         "leases": [],
     }
     for upstream in _upstreams():
-        out["links"] += [f"{upstream or 'node'}:{n}" for n in ip.links(upstream)
-                         if tag_of(n.split("@")[0])]
+        out["links"] += [f"{upstream or 'node'}:{n}" for n in ip.links(upstream) if tag_of(n)]
         out["nft_tables"] += [f"{upstream or 'node'}:{f} {n}" for f, n in nft.tables(upstream)
                               if tag_of(n)]
     with open("/proc/self/mountinfo") as f:

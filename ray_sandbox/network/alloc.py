@@ -33,6 +33,10 @@ class Alloc(BaseModel):
                 del table[key]
         self.state_dirs.pop(sandbox_id, None)
 
+    def sandbox_ids(self) -> set[str]:
+        leases = (*self.subnets.values(), *self.ports.values())
+        return {*self.state_dirs, *(lease.sandbox_id for lease in leases)}
+
     def subnet_users(self, upstream: str | None) -> int:
         return sum(1 for v in self.subnets.values() if v.upstream == upstream)
 

@@ -75,6 +75,10 @@ def node_dir() -> Path:
     return paths.home() / "network"
 
 
+def is_sandbox_id(value: str) -> bool:
+    return bool(_ID_RE.match(value))
+
+
 def tag(sandbox_id: str) -> str:
     """``rsb-<first 12 hex>``: the name of the sandbox's netns and nft table."""
     if not _ID_RE.match(sandbox_id):
