@@ -59,7 +59,6 @@ static int dispatch(struct conn *c, const struct frame *f)
     case T_CHMOD: return op_chmod(c, f) < 0;
     case T_RENAME: return op_rename(c, f) < 0;
     case T_WALK: return op_walk(c, f) < 0;
-    case T_CLOSE: return 0; /* end of a stream the agent already answered */
     default:
         send_error(c, EPROTO, "unknown request type %d", f->type);
         return 1;
