@@ -15,6 +15,7 @@ import struct
 import threading
 import time
 
+from ..errors import SandboxStateError
 from ..results import ExecResult
 from .client import DEFAULT_MAX_OUTPUT, AgentClient, AgentProcess
 
@@ -142,8 +143,12 @@ class PythonContext:
             start = time.monotonic()
             proc = self._process()
             req = json.dumps({"code": code, "max": self._max}).encode()
-            proc.write_stdin(_LEN.pack(len(req)) + req)
-            reply = self._reply(proc, start + timeout if timeout is not None else None)
+            try:
+                proc.write_stdin(_LEN.pack(len(req)) + req)
+            except SandboxStateError:  # it died before reading (e.g. python3 not found)
+                reply = None
+            else:
+                reply = self._reply(proc, start + timeout if timeout is not None else None)
             elapsed = time.monotonic() - start
             if reply is not None:
                 head, out, err = reply
