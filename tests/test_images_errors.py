@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from ray_sandbox.runtime.errors import (
+    CommandTimeoutError,
     ImageCorruptError,
     ImageError,
     ImageNotFoundError,
@@ -100,6 +101,14 @@ def test_unreachable_registry(temp_store: ImageStore) -> None:
         port = s.getsockname()[1]  # bound, never listening: connection refused
         err = expect(temp_store, f"127.0.0.1:{port}/lab/x:v1", RegistryUnreachableError)
     assert "connection refused" in err.stderr
+
+
+def test_pull_timeout_kills_a_hung_transfer(temp_store: ImageStore) -> None:
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()  # connections complete, nothing ever answers
+        port = server.getsockname()[1]
+        expect(temp_store, f"127.0.0.1:{port}/lab/x:v1", CommandTimeoutError, timeout=2)
 
 
 def test_tls_is_required_unless_insecure_or_loopback(
