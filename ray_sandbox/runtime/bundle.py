@@ -118,6 +118,7 @@ def build_spec(
     sdir: SandboxDir,
     agent_dir: Path,
     netns_path: str | None = None,
+    host_network: bool = False,
     with_resolv_conf: bool = False,
 ) -> Spec:
     """The OCI spec for a sandbox whose PID 1 is the agent.
@@ -166,7 +167,10 @@ def build_spec(
         resources.cpu = CpuResources(quota=int(config.cpu * CPU_PERIOD_US), period=CPU_PERIOD_US)
 
     namespaces = [Namespace(type=t) for t in ("pid", "ipc", "uts", "mount")]
-    namespaces.append(Namespace(type="network", path=netns_path))
+    if not host_network or netns_path:
+        # Without a path runsc makes a fresh, empty namespace, which would hide the node's
+        # network from --network=host.
+        namespaces.append(Namespace(type="network", path=netns_path))
 
     return Spec(
         process=Process(

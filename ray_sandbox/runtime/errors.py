@@ -34,6 +34,35 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+__all__ = [
+    "SandboxError",
+    "ConfigError",
+    "ToolMissingError",
+    "CommandError",
+    "CommandTimeoutError",
+    "ImageError",
+    "ImageReferenceError",
+    "ImageNotFoundError",
+    "RegistryUnreachableError",
+    "RegistryAuthError",
+    "PlatformNotFoundError",
+    "ImageCorruptError",
+    "StoreFullError",
+    "SandboxCreationError",
+    "SandboxNotFoundError",
+    "SandboxStateError",
+    "SandboxDiedError",
+    "ExecError",
+    "SandboxFileError",
+    "SandboxFileNotFoundError",
+    "SandboxIsADirectoryError",
+    "SandboxNotADirectoryError",
+    "SandboxFileExistsError",
+    "SandboxPermissionError",
+    "UnsafePathError",
+    "NetworkError",
+]
+
 
 class SandboxError(Exception):
     """Root of every ray_sandbox failure."""

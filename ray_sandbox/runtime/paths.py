@@ -2,9 +2,11 @@
 
 ``$RAY_SANDBOX_HOME`` (default ``/var/lib/ray_sandbox``) holds:
 
-    images/      the image store (see ray_sandbox.runtime.images)
-    sandboxes/   one directory per live sandbox (bundle, config.json, logs, agent socket)
+    images/      the image store (see docs/images.md); ``$RAY_SANDBOX_IMAGES`` moves it, e.g.
+                 to share one image cache between several homes on a node
+    sandboxes/   one directory per live sandbox (see ray_sandbox.runtime.bundle)
     runsc/       runsc's --root state directory
+    network/     node-wide network state (subnet allocations)
 """
 
 from __future__ import annotations
@@ -15,3 +17,9 @@ from pathlib import Path
 
 def home() -> Path:
     return Path(os.environ.get("RAY_SANDBOX_HOME", "/var/lib/ray_sandbox"))
+
+
+def images(base: Path | None = None) -> Path:
+    """The image store root: ``$RAY_SANDBOX_IMAGES``, else ``<home>/images``."""
+    env = os.environ.get("RAY_SANDBOX_IMAGES")
+    return Path(env) if env else (base or home()) / "images"

@@ -1,0 +1,932 @@
+"""SandboxRuntime: create, drive and delete gVisor sandboxes on this node, without Ray.
+
+State lives on disk (``home()/sandboxes/<id>/record.json`` plus runsc's own state), so any
+process on the node can address any sandbox by id, status is read from runsc rather than from
+bookkeeping, and a reaper can clean up after a creator that died.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import heapq
+import os
+import re
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from . import _subreaper, archive, bundle, paths
+from .agent.client import AgentClient, AgentProcess
+from .agent.pyrepl import PythonContext, PythonResult
+from .bundle import SandboxDir
+from .config import SandboxConfig, make_config
+from .errors import (
+    ExecError,
+    SandboxCreationError,
+    SandboxDiedError,
+    SandboxError,
+    SandboxNotFoundError,
+    UnsafePathError,
+)
+from .images import ImageStore
+from .results import ExecResult, FileInfo, FileType, OutputChunk, SandboxState, SandboxStatus
+from .runsc import Runsc
+
+_ID_RE = re.compile(r"^[0-9a-f]{32}$")
+_READY_TIMEOUT = 20.0
+_CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+class LimitNotEnforcedWarning(UserWarning):
+    """A configured limit cannot be enforced in this mode (e.g. cgroups when rootless)."""
+
+
+class SandboxRecord(BaseModel):
+    """What the node knows about a sandbox; written before runsc starts it."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    sandbox_id: str
+    config: dict[str, Any]
+    image: str
+    image_digest: str
+    rootfs: str
+    image_env: list[str] = Field(default_factory=list)
+    image_user: str | None = None
+    image_workdir: str | None = None
+    created_at: float
+    ttl_deadline: float | None = None
+    owner_pid: int | None = None
+    owner_start: int | None = None
+    network: str = "none"
+    overlay: str = "none"
+    platform: str = "ptrace"
+    rootless: bool = False
+    phase: str = "creating"  # creating | created
+    endpoints: dict[int, tuple[str, int]] = Field(default_factory=dict)
+
+    @property
+    def sandbox_config(self) -> SandboxConfig:
+        return SandboxConfig(**self.config)
+
+
+def _process_start(pid: int) -> int | None:
+    """Start time (clock ticks since boot) of ``pid``; distinguishes a reused PID."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(")") + 2 :].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _owner_alive(rec: SandboxRecord) -> bool:
+    if rec.owner_pid is None:
+        return True  # detached: only deleted explicitly or by its TTL
+    return _process_start(rec.owner_pid) == rec.owner_start
+
+
+def _agent_binary() -> Path:
+    env = os.environ.get("RAY_SANDBOX_AGENT")
+    path = Path(env) if env else Path(__file__).resolve().parent / "agent" / bundle.AGENT_NAME
+    if not path.is_file():
+        raise SandboxCreationError(
+            f"the in-sandbox agent {path} is missing; build it with "
+            "`make -C ray_sandbox/runtime/agent` (scripts/setup.sh does)"
+        )
+    return path
+
+
+def _ensure_mountpoints(rootfs: Path, dirs: Iterable[str], files: Iterable[str]) -> None:
+    """Create missing mount points in the shared rootfs before runsc does.
+
+    runsc's gofer creates missing bind-mount targets in the *host* root directory; doing it
+    here first, under a lock and without following symlinks, keeps that the only change ever
+    made to a shared rootfs (empty directories and files, owned by root).
+    """
+    missing = [p for p in (*dirs, *files) if not os.path.lexists(rootfs / p.lstrip("/"))]
+    if not missing:
+        return
+    lock = rootfs.parent / ".mountpoints.lock"
+    with open(lock, "a") as lf:
+        fcntl.flock(lf, fcntl.LOCK_EX)
+        for p in dirs:
+            _make_below(rootfs, p, is_dir=True)
+        for p in files:
+            _make_below(rootfs, p, is_dir=False)
+
+
+def _make_below(rootfs: Path, path: str, *, is_dir: bool) -> None:
+    parts = [p for p in path.split("/") if p]
+    fd = os.open(rootfs, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            try:
+                if last and not is_dir:
+                    os.close(os.open(part, os.O_CREAT | os.O_WRONLY | os.O_NOFOLLOW, 0o644,
+                                     dir_fd=fd))
+                    return
+                os.mkdir(part, 0o755, dir_fd=fd)
+            except FileExistsError:
+                pass
+            except OSError:
+                return  # a symlink or odd file: leave it to runsc's confined resolution
+            try:
+                nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            except OSError:
+                return
+            os.close(fd)
+            fd = nfd
+    finally:
+        os.close(fd)
+
+
+def _network():
+    """The network layer (namespaces, egress tools, policy). Imported late because it is
+    built on this package: the runtime only calls its attach/detach/gc."""
+    from .. import network
+
+    return network
+
+
+def _cgroup_dirs(sandbox_id: str) -> list[Path]:
+    if not _CGROUP_ROOT.is_dir():
+        return []
+    return [c / sandbox_id for c in _CGROUP_ROOT.iterdir() if (c / sandbox_id).is_dir()]
+
+
+def _oom_killed(sandbox_id: str) -> bool:
+    try:
+        text = (_CGROUP_ROOT / "memory" / sandbox_id / "memory.oom_control").read_text()
+    except OSError:
+        return False
+    for line in text.splitlines():
+        k, _, v = line.partition(" ")
+        if k == "oom_kill" and v.strip() not in ("", "0"):
+            return True
+    return False
+
+
+class SandboxRuntime:
+    """Create and drive gVisor sandboxes on this node.
+
+    >>> runtime = SandboxRuntime()
+    >>> sb = runtime.create(image="ray-sandbox/python", memory="512Mi")
+    >>> runtime.exec(sb, "python3 -c 'print(1)'").stdout
+    '1\\n'
+    >>> runtime.delete(sb)
+
+    Thread-safe. ``reap=True`` first cleans up sandboxes whose creating process died.
+    """
+
+    def __init__(
+        self,
+        home: str | Path | None = None,
+        *,
+        images: ImageStore | None = None,
+        reap: bool = True,
+    ) -> None:
+        self.home = Path(home) if home is not None else paths.home()
+        self.sandboxes_dir = self.home / "sandboxes"
+        self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
+        self.images = images or ImageStore(paths.images(self.home))
+        self.runsc = Runsc(self.home / "runsc")
+        self.runsc.root.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.RLock()
+        self._clients: dict[str, AgentClient] = {}
+        self._records: dict[str, SandboxRecord] = {}
+        self._owned: set[str] = set()
+        self._tombstones: dict[str, str] = {}
+        self._pycontexts: dict[tuple[str, str], PythonContext] = {}
+        self._ttl_heap: list[tuple[float, str]] = []
+        self._ttl_cv = threading.Condition(self._lock)
+        self._ttl_thread: threading.Thread | None = None
+        _subreaper.ensure()
+        if reap:
+            self.gc()
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    def create(
+        self,
+        config: SandboxConfig | Mapping[str, Any] | None = None,
+        *,
+        detach: bool = False,
+        **kwargs: Any,
+    ) -> str:
+        """Create and start a sandbox; returns its id once it is ready for exec.
+
+        Keyword arguments are :class:`SandboxConfig` fields (``image``, ``cpu``, ``memory``,
+        ``spec_transform``/``_oci_spec_transform_fn`` …). ``detach=True`` lets the sandbox
+        outlive this process (then only ``delete`` or its TTL end it).
+        """
+        cfg = make_config(config, **kwargs)
+        if cfg.effective_rootless and (cfg.memory or cfg.cpu):
+            warnings.warn(
+                "rootless sandboxes run without cgroups: memory/cpu limits are NOT enforced",
+                LimitNotEnforcedWarning,
+                stacklevel=2,
+            )
+        agent = _agent_binary()
+        image = self.images.get(cfg.image)
+        sandbox_id = uuid.uuid4().hex
+        sdir = SandboxDir(self.sandboxes_dir / sandbox_id)
+        sdir.create()
+        try:
+            rec = self._start(sandbox_id, sdir, cfg, image, agent, detach)
+        except BaseException as exc:
+            self._destroy(sandbox_id)
+            if isinstance(exc, SandboxCreationError):
+                raise
+            if isinstance(exc, SandboxError):
+                raise SandboxCreationError(
+                    f"creating sandbox failed: {exc.message}",
+                    sandbox_id=sandbox_id,
+                    argv=exc.argv,
+                    returncode=exc.returncode,
+                    stderr=exc.stderr,
+                ) from exc
+            raise
+        with self._lock:
+            self._records[sandbox_id] = rec
+            self._owned.add(sandbox_id)
+            if rec.ttl_deadline is not None:
+                self._schedule_ttl(sandbox_id, rec.ttl_deadline)
+        return sandbox_id
+
+    def _start(
+        self, sandbox_id: str, sdir: SandboxDir, cfg: SandboxConfig, image, agent: Path,
+        detach: bool,
+    ) -> SandboxRecord:
+        network = _network()
+        self.images.pin(image.digest, sandbox_id)
+        rootfs = Path(image.rootfs)
+        attachment = network.attach(sandbox_id, cfg, sdir.path)
+        mount_dirs = [bundle.AGENT_DIR, bundle.AGENT_RUN_DIR, "/proc", "/dev", "/sys", "/tmp"]
+        mount_files = ["/etc/hosts", "/etc/hostname"]
+        if attachment.resolv_conf is not None:
+            mount_files.append("/etc/resolv.conf")
+        if cfg.readonly and cfg.workdir:
+            mount_dirs.append(cfg.workdir)
+            bundle.seed_workdir(rootfs, cfg.workdir, sdir.work)
+        _ensure_mountpoints(rootfs, mount_dirs, mount_files)
+        overlay = "none"
+        if not cfg.readonly:
+            sdir.overlay.mkdir()
+            overlay = f"root:dir={sdir.overlay}"
+
+        spec = bundle.build_spec(
+            sandbox_id=sandbox_id,
+            config=cfg,
+            rootfs=rootfs,
+            image_env=list(image.config.env),
+            sdir=sdir,
+            agent_dir=agent.parent,
+            netns_path=attachment.netns_path,
+            host_network=attachment.runsc_network == "host",
+            with_resolv_conf=attachment.resolv_conf is not None,
+        )
+        from .spec import apply_transform
+
+        spec = apply_transform(spec, cfg.spec_transform, sandbox_id=sandbox_id)
+        hostname = spec.hostname or "sandbox"
+        bundle.write_bundle(
+            sdir, spec, hostname=hostname, resolv_conf=attachment.resolv_conf,
+            hosts=attachment.hosts,
+        )
+        now = time.time()
+        rec = SandboxRecord(
+            sandbox_id=sandbox_id,
+            config=cfg.model_dump(mode="json"),
+            image=cfg.image,
+            image_digest=image.digest,
+            rootfs=str(rootfs),
+            image_env=list(image.config.env),
+            image_user=image.config.user or None,
+            image_workdir=image.config.working_dir or None,
+            created_at=now,
+            ttl_deadline=now + cfg.ttl_seconds if cfg.ttl_seconds else None,
+            owner_pid=None if detach else os.getpid(),
+            owner_start=None if detach else _process_start(os.getpid()),
+            network=attachment.runsc_network,
+            overlay=overlay,
+            platform=cfg.platform,
+            rootless=cfg.effective_rootless,
+            endpoints=attachment.endpoints,
+        )
+        self._write_record(sdir, rec)
+        self.runsc.run_detached(
+            sandbox_id,
+            sdir.bundle,
+            network=rec.network,
+            overlay=overlay,
+            rootless=rec.rootless,
+            platform=cfg.platform,
+            prefix=attachment.run_prefix,
+            log_dir=sdir.path,
+        )
+        self._wait_ready(sandbox_id, sdir)
+        rec = rec.model_copy(update={"phase": "created"})
+        self._write_record(sdir, rec)
+        return rec
+
+    def _wait_ready(self, sandbox_id: str, sdir: SandboxDir) -> None:
+        client = AgentClient(sdir.socket, sandbox_id=sandbox_id)
+        deadline = time.monotonic() + _READY_TIMEOUT
+        next_state_check = time.monotonic() + 0.25
+        while True:
+            if sdir.socket.exists():
+                try:
+                    client.ping()
+                    with self._lock:
+                        self._clients[sandbox_id] = client
+                    return
+                except SandboxError:
+                    pass
+            now = time.monotonic()
+            if now > deadline:
+                client.close()
+                raise SandboxCreationError(
+                    f"sandbox agent did not become ready within {_READY_TIMEOUT:g}s",
+                    sandbox_id=sandbox_id, stderr=self._runsc_log(sdir),
+                )
+            if now > next_state_check:
+                next_state_check = now + 0.25
+                st = self.runsc.state(sandbox_id)
+                if st.status == "stopped":
+                    client.close()
+                    raise SandboxCreationError(
+                        "sandbox stopped while starting", sandbox_id=sandbox_id,
+                        stderr=self._runsc_log(sdir),
+                    )
+            time.sleep(0.002)
+
+    @staticmethod
+    def _runsc_log(sdir: SandboxDir) -> str:
+        try:
+            return (sdir.path / "runsc.err").read_text(errors="replace")[-4000:]
+        except OSError:
+            return ""
+
+    @staticmethod
+    def _write_record(sdir: SandboxDir, rec: SandboxRecord) -> None:
+        tmp = sdir.record.with_suffix(".tmp")
+        tmp.write_text(rec.model_dump_json())
+        os.replace(tmp, sdir.record)
+
+    def delete(self, sandbox_id: str) -> None:
+        """Stop the sandbox and remove everything it owns. Idempotent."""
+        self._check_id(sandbox_id)
+        self._destroy(sandbox_id, reason="Deleted")
+
+    terminate = delete
+
+    def _destroy(self, sandbox_id: str, reason: str | None = None) -> None:
+        network = _network()
+        with self._lock:
+            client = self._clients.pop(sandbox_id, None)
+            self._records.pop(sandbox_id, None)
+            self._owned.discard(sandbox_id)
+            if reason:
+                self._tombstones[sandbox_id] = reason
+            for key in [k for k in self._pycontexts if k[0] == sandbox_id]:
+                self._pycontexts.pop(key)
+        if client:
+            client.close()
+        sdir = SandboxDir(self.sandboxes_dir / sandbox_id)
+        errors: list[Exception] = []
+        try:
+            self.runsc.delete(sandbox_id)
+        except SandboxError as exc:
+            errors.append(exc)
+        try:
+            network.detach(sandbox_id, sdir.path)
+        except SandboxError as exc:
+            errors.append(exc)
+        rec = self._load_record(sandbox_id)
+        if rec is not None:
+            self.images.unpin(rec.image_digest, sandbox_id)
+        for cg in _cgroup_dirs(sandbox_id):
+            try:
+                cg.rmdir()
+            except OSError:
+                pass
+        for leftover in self.runsc.root.glob(f"*{sandbox_id}*"):
+            leftover.unlink(missing_ok=True)
+        sdir.remove()
+        if errors:
+            raise errors[0]
+
+    # --- status ----------------------------------------------------------------------------
+
+    def _check_id(self, sandbox_id: str) -> None:
+        if not isinstance(sandbox_id, str) or not _ID_RE.match(sandbox_id):
+            raise SandboxNotFoundError(f"not a sandbox id: {sandbox_id!r}", sandbox_id=None)
+
+    def _load_record(self, sandbox_id: str) -> SandboxRecord | None:
+        with self._lock:
+            rec = self._records.get(sandbox_id)
+        if rec is not None:
+            return rec
+        try:
+            return SandboxRecord.model_validate_json(
+                (self.sandboxes_dir / sandbox_id / "record.json").read_text()
+            )
+        except (OSError, ValueError):
+            return None
+
+    def _record(self, sandbox_id: str) -> SandboxRecord:
+        self._check_id(sandbox_id)
+        rec = self._load_record(sandbox_id)
+        if rec is None:
+            reason = self._tombstones.get(sandbox_id)
+            msg = f"sandbox was deleted ({reason})" if reason else "no such sandbox"
+            raise SandboxNotFoundError(msg, sandbox_id=sandbox_id)
+        return rec
+
+    def get_status(self, sandbox_id: str) -> SandboxStatus:
+        """The sandbox's state as runsc reports it now."""
+        self._check_id(sandbox_id)
+        rec = self._load_record(sandbox_id)
+        if rec is None:
+            reason = self._tombstones.get(sandbox_id)
+            if reason is None:
+                raise SandboxNotFoundError("no such sandbox", sandbox_id=sandbox_id)
+            return SandboxStatus(sandbox_id=sandbox_id, state=SandboxState.TERMINATED,
+                                 reason=reason)
+        state, reason = self._runsc_state(rec)
+        return SandboxStatus(
+            sandbox_id=sandbox_id,
+            state=state,
+            reason=reason,
+            created_at=datetime.fromtimestamp(rec.created_at, tz=UTC),
+            image=rec.image,
+            labels=rec.config.get("labels", {}),
+        )
+
+    def _runsc_state(self, rec: SandboxRecord) -> tuple[SandboxState, str | None]:
+        try:
+            st = self.runsc.state(rec.sandbox_id)
+        except SandboxNotFoundError:
+            if rec.phase == "creating":
+                return SandboxState.PENDING, None
+            return SandboxState.ERROR, "ContainerMissing"
+        if st.status in ("creating", "created"):
+            return SandboxState.PENDING, None
+        if st.status == "running":
+            return SandboxState.RUNNING, None
+        if st.status == "paused":
+            return SandboxState.PAUSED, None
+        if _oom_killed(rec.sandbox_id):
+            return SandboxState.ERROR, "OOMKilled"
+        return SandboxState.ERROR, "SandboxExited"
+
+    def list(self, *, all: bool = False, labels: Mapping[str, str] | None = None) -> list[str]:
+        """Ids of this runtime's sandboxes (``all=True``: every sandbox on the node)."""
+        if all:
+            ids = sorted(p.name for p in self.sandboxes_dir.iterdir() if _ID_RE.match(p.name))
+        else:
+            with self._lock:
+                ids = sorted(self._owned)
+        if labels:
+            keep = []
+            for i in ids:
+                rec = self._load_record(i)
+                if rec and all_items(rec.config.get("labels", {}), labels):
+                    keep.append(i)
+            ids = keep
+        return ids
+
+    def record(self, sandbox_id: str) -> SandboxRecord:
+        """The node's record of a sandbox (config, image, owner, endpoints)."""
+        return self._record(sandbox_id)
+
+    # --- exec --------------------------------------------------------------------------------
+
+    def _client(self, sandbox_id: str) -> AgentClient:
+        with self._lock:
+            client = self._clients.get(sandbox_id)
+        if client is not None:
+            return client
+        self._record(sandbox_id)
+        client = AgentClient(self.sandboxes_dir / sandbox_id / "run" / "agent.sock",
+                             sandbox_id=sandbox_id)
+        with self._lock:
+            return self._clients.setdefault(sandbox_id, client)
+
+    def _exec_args(
+        self,
+        rec: SandboxRecord,
+        command: str | list[str],
+        *,
+        cwd: str | None,
+        env: Mapping[str, str] | None,
+        user: str | None,
+        shell: str | None,
+        timeout: float | None,
+    ) -> dict[str, Any]:
+        cfg = rec.config
+        if isinstance(command, str):
+            sh = shell or "/bin/sh"
+            if not os.path.lexists(Path(rec.rootfs) / sh.lstrip("/")):
+                raise ExecError(
+                    f"image {rec.image} has no {sh}; pass the command as an argv list",
+                    sandbox_id=rec.sandbox_id,
+                )
+            argv = [sh, "-c", command]
+        else:
+            argv = [str(a) for a in command]
+            if not argv:
+                raise ExecError("empty command", sandbox_id=rec.sandbox_id)
+        for a in argv:
+            if "\0" in a:
+                raise ExecError("command contains a NUL byte", sandbox_id=rec.sandbox_id)
+        merged = {**cfg.get("env", {}), **(env or {})}
+        for k, v in merged.items():
+            if not k or "=" in k or "\0" in k or "\0" in v:
+                raise ExecError(f"invalid environment variable {k!r}", sandbox_id=rec.sandbox_id)
+        if timeout is None:
+            timeout = cfg.get("timeout_seconds")
+        return {
+            "argv": argv,
+            "env": bundle.merge_env(rec.image_env, merged),
+            "cwd": cwd or cfg.get("workdir") or rec.image_workdir or "/",
+            "user": user or cfg.get("user") or rec.image_user or None,
+            "timeout": timeout,
+        }
+
+    def exec(
+        self,
+        sandbox_id: str,
+        command: str | list[str],
+        *,
+        timeout: float | None = None,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        user: str | None = None,
+        shell: str | None = None,
+        stdin: bytes | str | None = None,
+        max_output_bytes: int | None = None,
+    ) -> ExecResult:
+        """Run a command and wait for it. A string runs through ``shell`` (default
+        ``/bin/sh -c``); a list runs as argv. A timeout kills the whole process tree inside
+        and returns the partial output with ``timed_out=True``."""
+        rec = self._record(sandbox_id)
+        args = self._exec_args(rec, command, cwd=cwd, env=env, user=user, shell=shell,
+                               timeout=timeout)
+        data = stdin.encode() if isinstance(stdin, str) else stdin
+        try:
+            return self._client(sandbox_id).exec(
+                **args, stdin=data, max_output_bytes=max_output_bytes
+            )
+        except SandboxDiedError as exc:
+            raise self._died(sandbox_id, exc) from None
+
+    def exec_stream(
+        self,
+        sandbox_id: str,
+        command: str | list[str],
+        *,
+        timeout: float | None = None,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        user: str | None = None,
+        shell: str | None = None,
+        stdin: bytes | str | None = None,
+        max_output_bytes: int | None = None,
+    ) -> Iterator[OutputChunk | ExecResult]:
+        """Like :meth:`exec`, yielding output chunks as they arrive and the result last."""
+        rec = self._record(sandbox_id)
+        args = self._exec_args(rec, command, cwd=cwd, env=env, user=user, shell=shell,
+                               timeout=timeout)
+        data = stdin.encode() if isinstance(stdin, str) else stdin
+        try:
+            yield from self._client(sandbox_id).exec_stream(
+                **args, stdin=data, max_output_bytes=max_output_bytes
+            )
+        except SandboxDiedError as exc:
+            raise self._died(sandbox_id, exc) from None
+
+    def spawn(
+        self,
+        sandbox_id: str,
+        command: str | list[str],
+        *,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        user: str | None = None,
+        shell: str | None = None,
+        pty: tuple[int, int] | None = None,
+    ) -> AgentProcess:
+        """Start a background process; the handle writes stdin, reads output, waits, kills."""
+        rec = self._record(sandbox_id)
+        args = self._exec_args(rec, command, cwd=cwd, env=env, user=user, shell=shell,
+                               timeout=None)
+        args.pop("timeout")
+        return self._client(sandbox_id).spawn(**args, pty=pty)
+
+    def open_pty(
+        self, sandbox_id: str, command: str | list[str] = "/bin/sh", *, rows: int = 24,
+        cols: int = 80, **kw: Any,
+    ) -> AgentProcess:
+        """An interactive terminal session (write keys, read screen bytes, resize, close)."""
+        if isinstance(command, str) and command.startswith("/") and " " not in command:
+            command = [command]
+        return self.spawn(sandbox_id, command, pty=(rows, cols), **kw)
+
+    def _died(self, sandbox_id: str, exc: SandboxError) -> SandboxError:
+        try:
+            status = self.get_status(sandbox_id)
+        except SandboxError:
+            return exc
+        if status.state == SandboxState.RUNNING:
+            return exc
+        return SandboxDiedError(
+            f"sandbox is {status.state.value}"
+            + (f" ({status.reason})" if status.reason else "")
+            + f": {exc.message}",
+            sandbox_id=sandbox_id,
+        )
+
+    def run_python(
+        self, sandbox_id: str, code: str, *, timeout: float | None = None,
+        context: str = "default",
+    ) -> PythonResult:
+        """Run ``code`` in a persistent interpreter inside the sandbox (state is kept per
+        ``context`` between calls, like a notebook kernel). A timeout or crash restarts the
+        interpreter, resetting that context's state."""
+        rec = self._record(sandbox_id)
+        key = (sandbox_id, context)
+        with self._lock:
+            ctx = self._pycontexts.get(key)
+            if ctx is None:
+                args = self._exec_args(rec, ["python3"], cwd=None, env=None, user=None,
+                                       shell=None, timeout=None)
+                ctx = PythonContext(self._client(sandbox_id), env=args["env"],
+                                    cwd=args["cwd"], user=args["user"])
+                self._pycontexts[key] = ctx
+        if timeout is None:
+            timeout = rec.config.get("timeout_seconds")
+        try:
+            return ctx.run(code, timeout=timeout)
+        except SandboxDiedError as exc:
+            raise self._died(sandbox_id, exc) from None
+
+    async def exec_async(self, sandbox_id: str, command: str | list[str], **kw: Any) -> ExecResult:
+        return await asyncio.to_thread(self.exec, sandbox_id, command, **kw)
+
+    async def create_async(self, config: Any = None, **kw: Any) -> str:
+        return await asyncio.to_thread(self.create, config, **kw)
+
+    async def delete_async(self, sandbox_id: str) -> None:
+        await asyncio.to_thread(self.delete, sandbox_id)
+
+    # --- files -------------------------------------------------------------------------------
+
+    def _files(self, sandbox_id: str) -> AgentClient:
+        self._record(sandbox_id)
+        return self._client(sandbox_id)
+
+    def read_file(self, sandbox_id: str, path: str) -> bytes:
+        return self._files(sandbox_id).read_file(path)
+
+    def write_file(
+        self, sandbox_id: str, path: str, data: str | bytes | Iterable[bytes] | BinaryIO, *,
+        mode: int = 0o644, append: bool = False,
+    ) -> None:
+        """Write (or append to) a file; missing parent directories are created."""
+        payload = data.encode() if isinstance(data, str) else data
+        self._files(sandbox_id).write_file(path, payload, mode=mode, append=append)
+
+    def upload_file(self, sandbox_id: str, local_path: str | Path, remote_path: str) -> None:
+        """Copy a host file into the sandbox, streaming (bounded memory); keeps its mode."""
+        mode = os.stat(local_path).st_mode & 0o7777
+        with open(local_path, "rb") as f:
+            self._files(sandbox_id).write_file(remote_path, f, mode=mode)
+
+    def download_file(self, sandbox_id: str, remote_path: str, local_path: str | Path) -> None:
+        """Copy a sandbox file to the host, streaming; written atomically."""
+        local = Path(local_path)
+        tmp = local.with_name(f".{local.name}.rsb-tmp")
+        try:
+            with open(tmp, "wb") as f:
+                for chunk in self._files(sandbox_id).iter_read(remote_path):
+                    f.write(chunk)
+            os.replace(tmp, local)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def iter_read(self, sandbox_id: str, path: str) -> Iterator[bytes]:
+        return self._files(sandbox_id).iter_read(path)
+
+    def stat(self, sandbox_id: str, path: str) -> FileInfo:
+        return self._files(sandbox_id).stat(path)
+
+    def exists(self, sandbox_id: str, path: str) -> bool:
+        try:
+            self.stat(sandbox_id, path)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def list_dir(self, sandbox_id: str, path: str) -> list[FileInfo]:
+        return self._files(sandbox_id).list_dir(path)
+
+    def mkdir(self, sandbox_id: str, path: str, *, parents: bool = True, mode: int = 0o755) -> None:
+        self._files(sandbox_id).mkdir(path, parents=parents, mode=mode)
+
+    def remove(self, sandbox_id: str, path: str, *, recursive: bool = False) -> None:
+        self._files(sandbox_id).remove(path, recursive=recursive)
+
+    def put_archive(self, sandbox_id: str, remote_dir: str,
+                    stream: Iterable[bytes] | BinaryIO) -> None:
+        """Extract a tar stream into ``remote_dir`` inside the sandbox (modes, symlinks and
+        empty directories kept; members escaping ``remote_dir`` are refused)."""
+        import tarfile
+
+        client = self._files(sandbox_id)
+        base = remote_dir.rstrip("/") or "/"
+        client.mkdir(base, parents=True)
+        with tarfile.open(fileobj=archive.as_file(stream), mode="r|*") as tar:
+            for m in tar:
+                rel = archive.member_path(m.name)
+                if not rel:
+                    continue
+                dest = f"{base.rstrip('/')}/{rel}"
+                if m.isdir():
+                    client.mkdir(dest, parents=True, mode=m.mode & 0o7777 or 0o755)
+                    client.chmod(dest, m.mode & 0o7777)
+                elif m.issym():
+                    if not archive.link_target_ok(rel, m.linkname):
+                        raise UnsafePathError(
+                            f"symlink {m.name!r} -> {m.linkname!r} points outside the target",
+                            sandbox_id=sandbox_id,
+                        )
+                    client.symlink(m.linkname, dest)
+                elif m.islnk():
+                    src = archive.member_path(m.linkname)
+                    data = client.read_file(f"{base.rstrip('/')}/{src}")
+                    client.write_file(dest, data, mode=m.mode & 0o7777)
+                elif m.isfile():
+                    f = tar.extractfile(m)
+                    assert f is not None
+                    client.write_file(dest, f, mode=m.mode & 0o7777)
+                else:
+                    raise UnsafePathError(f"unsupported archive member type: {m.name!r}",
+                                          sandbox_id=sandbox_id)
+
+    def get_archive(self, sandbox_id: str, remote_dir: str) -> Iterator[bytes]:
+        """A tar stream of ``remote_dir`` (streamed in bounded memory)."""
+        import tarfile
+
+        client = self._files(sandbox_id)
+        base = remote_dir.rstrip("/") or "/"
+        if client.stat(base).type != FileType.DIRECTORY:
+            raise ExecError(f"{remote_dir} is not a directory", sandbox_id=sandbox_id)
+        for info in client.walk(base):
+            rel = info.path[len(base):].lstrip("/") if info.path.startswith("/") else info.path
+            if not rel:
+                continue
+            ti = tarfile.TarInfo(rel)
+            ti.mode = info.mode & 0o7777
+            ti.mtime = int(info.mtime)
+            if info.type == FileType.DIRECTORY:
+                ti.type = tarfile.DIRTYPE
+                yield archive.header(ti)
+            elif info.type == FileType.SYMLINK:
+                ti.type = tarfile.SYMTYPE
+                ti.linkname = info.link_target or ""
+                yield archive.header(ti)
+            elif info.type == FileType.FILE:
+                ti.size = info.size
+                yield from archive.file_blocks(ti, client.iter_read(f"{base}/{rel}"))
+        yield archive.end_blocks()
+
+    def upload_dir(self, sandbox_id: str, local_dir: str | Path, remote_dir: str) -> None:
+        self.put_archive(sandbox_id, remote_dir, archive.pack_local(Path(local_dir)))
+
+    def download_dir(self, sandbox_id: str, remote_dir: str, local_dir: str | Path) -> None:
+        archive.extract_local(self.get_archive(sandbox_id, remote_dir), Path(local_dir))
+
+    # --- TTL and reaping ---------------------------------------------------------------------
+
+    def _schedule_ttl(self, sandbox_id: str, deadline: float) -> None:
+        heapq.heappush(self._ttl_heap, (deadline, sandbox_id))
+        if self._ttl_thread is None:
+            self._ttl_thread = threading.Thread(
+                target=self._ttl_loop, name="ray-sandbox-ttl", daemon=True
+            )
+            self._ttl_thread.start()
+        self._ttl_cv.notify()
+
+    def _ttl_loop(self) -> None:
+        while True:
+            with self._ttl_cv:
+                while not self._ttl_heap:
+                    self._ttl_cv.wait()
+                deadline, sid = self._ttl_heap[0]
+                delay = deadline - time.time()
+                if delay > 0:
+                    self._ttl_cv.wait(timeout=delay)
+                    continue
+                heapq.heappop(self._ttl_heap)
+                live = sid in self._owned
+            if live:
+                try:
+                    self._destroy(sid, reason="TTLExpired")
+                except SandboxError:
+                    pass
+
+    def gc(self) -> list[str]:
+        """Remove what dead owners left behind: sandboxes whose creator died, expired
+        detached sandboxes, runsc containers and processes without a record, stale pins.
+        Returns the ids removed."""
+        network = _network()
+        removed: list[str] = []
+        now = time.time()
+        live: set[str] = set()
+        for d in sorted(self.sandboxes_dir.iterdir()) if self.sandboxes_dir.exists() else []:
+            if not _ID_RE.match(d.name):
+                continue
+            rec = self._load_record(d.name)
+            with self._lock:
+                mine = d.name in self._owned
+            expired = rec is not None and rec.ttl_deadline is not None and rec.ttl_deadline < now
+            if mine or (rec is not None and _owner_alive(rec) and not expired):
+                live.add(d.name)
+                continue
+            if rec is None and time.time() - d.stat().st_mtime < 60:
+                live.add(d.name)  # being created right now by another process
+                continue
+            self._destroy(d.name, reason="TTLExpired" if expired else "OwnerDied")
+            removed.append(d.name)
+        try:
+            containers = self.runsc.list()
+        except SandboxError:
+            containers = []
+        for c in containers:
+            if c.id not in live and _ID_RE.match(c.id):
+                self._destroy(c.id, reason="Orphaned")
+                removed.append(c.id)
+        self._kill_stray_runsc(live)
+        network.gc(live)
+        for image in self.images.list():
+            for owner in self.images.pins(image.digest) - live:
+                if _ID_RE.match(owner):
+                    self.images.unpin(image.digest, owner)
+        return sorted(set(removed))
+
+    def _kill_stray_runsc(self, live: set[str]) -> None:
+        """Kill runsc sandbox/gofer processes of this root that runsc no longer lists (e.g. a
+        ``runsc run`` that was killed half-way, PLATFORM §9.8)."""
+        marker = f"--root={self.runsc.root}"
+        for pid_dir in Path("/proc").iterdir():
+            if not pid_dir.name.isdigit():
+                continue
+            try:
+                args = (pid_dir / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if not args or args[0] not in (b"runsc-sandbox", b"runsc-gofer"):
+                continue
+            if marker.encode() not in args:
+                continue
+            ids = [a.decode() for a in args if _ID_RE.match(a.decode(errors="ignore"))]
+            if ids and not any(i in live for i in ids):
+                try:
+                    os.kill(int(pid_dir.name), 9)
+                except ProcessLookupError:
+                    pass
+        _subreaper.reap_orphans()
+
+    # --- context manager -------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Delete every sandbox this runtime created (detached ones included)."""
+        with self._lock:
+            ids = list(self._owned)
+        for sid in ids:
+            try:
+                self._destroy(sid, reason="Deleted")
+            except SandboxError:
+                pass
+
+    def __enter__(self) -> SandboxRuntime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def all_items(have: Mapping[str, str], want: Mapping[str, str]) -> bool:
+    return all(have.get(k) == v for k, v in want.items())
+

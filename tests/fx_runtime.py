@@ -1,0 +1,117 @@
+"""Fixtures for runtime tests: a runtime in a private home using the node's image cache, and
+leak accounting that every runtime test module must pass."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ray_sandbox.runtime import ImageStore, SandboxRuntime
+from ray_sandbox.runtime.paths import home
+
+_ID = re.compile(r"^[0-9a-f]{32}$")
+
+
+def leftovers(rt_home: Path, ids: set[str] = frozenset()) -> dict[str, list[str]]:
+    """Everything a sandbox could leave behind on the host, for the given runtime home and
+    (for cgroups, which are global) the given sandbox ids."""
+    out: dict[str, list[str]] = {"processes": [], "cgroups": [], "sandbox_dirs": [],
+                                 "runsc_state": [], "mounts": []}
+    marker = f"--root={rt_home / 'runsc'}".encode()
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                args = (p / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if marker in args:
+                out["processes"].append(f"{p.name}: {args[:120]!r}")
+    cg = Path("/sys/fs/cgroup")
+    for ctrl in cg.iterdir() if cg.is_dir() else []:
+        for d in ctrl.iterdir() if ctrl.is_dir() else []:
+            if d.name in ids and d.is_dir():
+                out["cgroups"].append(str(d))
+    sdir = rt_home / "sandboxes"
+    out["sandbox_dirs"] = sorted(p.name for p in sdir.iterdir()) if sdir.is_dir() else []
+    rdir = rt_home / "runsc"
+    out["runsc_state"] = sorted(p.name for p in rdir.iterdir()) if rdir.is_dir() else []
+    out["mounts"] = [line for line in Path("/proc/self/mountinfo").read_text().splitlines()
+                     if str(rt_home) in line]
+    return {k: v for k, v in out.items() if v}
+
+
+@pytest.fixture(scope="session")
+def image_store() -> ImageStore:
+    return ImageStore(home() / "images")
+
+
+@pytest.fixture(scope="module")
+def rt_home(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("rsb-home")
+
+
+@pytest.fixture(scope="module")
+def runtime(rt_home, image_store, default_image, busybox_image):
+    rt = SandboxRuntime(rt_home, images=image_store)
+    yield rt
+    rt.close()
+    rt.gc()
+    ids = set(rt._tombstones)
+    assert leftovers(rt_home, ids) == {}, leftovers(rt_home, ids)
+
+
+@pytest.fixture(scope="session")
+def static_image_ref(tmp_path_factory, image_store) -> Iterator[str]:
+    """An OCI layout holding one static binary, /hello, and nothing else (no shell, no libc)."""
+    import tarfile
+
+    from ray_sandbox.runtime import _proc
+    from ray_sandbox.runtime.umoci import Umoci
+
+    work = tmp_path_factory.mktemp("static-image")
+    src = work / "hello.c"
+    src.write_text('#include <stdio.h>\nint main(void){puts("hello");return 0;}\n')
+    _proc.run(["gcc", "-static", "-O2", "-o", work / "hello", src], timeout=120)
+    layer = work / "layer.tar"
+    with tarfile.open(layer, "w") as tar:
+        tar.add(work / "hello", arcname="hello")
+    layout = work / "oci"
+    image = f"{layout}:static"
+    umoci = Umoci()
+    umoci.init(layout, timeout=60)
+    umoci.new(image, timeout=60)
+    umoci.raw_add_layer(image, layer, created="2024-01-01T00:00:00Z", timeout=60)
+    umoci.config(image, created="2024-01-01T00:00:00Z", architecture="amd64", env=[],
+                 cmd=["/hello"], timeout=60)
+    ref = f"oci:{image}"
+    yield ref
+    image_store.remove(image_store.get(ref).digest)  # not part of the node's image cache
+
+
+@pytest.fixture
+def sandbox(runtime):
+    """A fresh busybox sandbox, deleted afterwards."""
+    sid = runtime.create(image="ray-sandbox/busybox", memory="128Mi", cpu=0.5)
+    yield sid
+    runtime.delete(sid)
+
+
+@pytest.fixture
+def py_sandbox(runtime):
+    sid = runtime.create(image="ray-sandbox/python", memory="256Mi", cpu=1)
+    yield sid
+    runtime.delete(sid)
+
+
+def pids_inside(runtime: SandboxRuntime, sid: str) -> list[str]:
+    """Command lines of the processes inside a sandbox, read through the agent."""
+    res = runtime.exec(sid, ["/bin/sh", "-c", "for p in /proc/[0-9]*; do "
+                             "tr '\\0' ' ' < $p/cmdline; echo; done"])
+    return [line for line in res.stdout.splitlines() if line.strip()]
+
+
+__all__ = ["leftovers", "pids_inside", "os"]

@@ -1,0 +1,55 @@
+"""No leaks: a process owning sandboxes is SIGKILLed; the reaper removes every trace."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+from ray_sandbox.runtime import SandboxRuntime
+from tests.fx_runtime import leftovers
+
+OWNER = textwrap.dedent(
+    """
+    import sys, time
+    from ray_sandbox.runtime import SandboxRuntime
+    rt = SandboxRuntime(sys.argv[1])
+    ids = [rt.create(image="ray-sandbox/busybox", memory="64Mi", cpu=0.2,
+                     readonly=(i % 2 == 0), workdir="/w") for i in range(5)]
+    print(" ".join(ids), flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_sigkilled_owner_is_reaped(rt_home, image_store, busybox_image):
+    proc = subprocess.Popen([sys.executable, "-c", OWNER, str(rt_home)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        ids = proc.stdout.readline().split()
+        assert len(ids) == 5
+        assert all((rt_home / "sandboxes" / i).is_dir() for i in ids)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert leftovers(rt_home, set(ids))  # the dead owner left 5 running sandboxes
+    rt = SandboxRuntime(rt_home, images=image_store)  # the reaper runs at start
+    assert leftovers(rt_home, set(ids)) == {}
+    assert not set(ids) & image_store.pins(busybox_image.digest)
+    assert rt.gc() == []
+
+
+def test_gc_removes_orphaned_runsc_container(rt_home, runtime):
+    sid = runtime.create(image="ray-sandbox/busybox", memory="64Mi")
+    # Lose the sandbox's record as if its directory had been wiped: runsc still runs it.
+    import shutil
+
+    shutil.rmtree(rt_home / "sandboxes" / sid)
+    with runtime._lock:
+        runtime._owned.discard(sid)
+        runtime._records.pop(sid, None)
+    assert sid in [c.id for c in runtime.runsc.list()]
+    assert sid in runtime.gc()
+    assert sid not in [c.id for c in runtime.runsc.list()]
