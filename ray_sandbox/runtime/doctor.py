@@ -50,8 +50,9 @@ def diagnose() -> Report:
     ]:
         checks.append(_tool(name, why))
     agent = Path(__file__).resolve().parent / "agent" / "rsb-agent"
-    checks.append(Check(name="agent", ok=agent.is_file(),
-                        detail=str(agent) if agent.is_file() else "not built: run scripts/setup.sh"))
+    built = agent.is_file()
+    checks.append(Check(name="agent", ok=built,
+                        detail=str(agent) if built else "not built: run scripts/setup.sh"))
     v1 = Path("/sys/fs/cgroup/memory/memory.limit_in_bytes").exists()
     v2 = Path("/sys/fs/cgroup/cgroup.controllers").exists()
     cg = "v1" if v1 else "v2" if v2 else None

@@ -1,0 +1,212 @@
+"""SandboxHandle: a serializable reference to one sandbox, called like an actor.
+
+``sb.exec.remote("true")`` returns an ObjectRef (awaitable); ``sb.exec_stream.remote(...)``
+returns an ObjectRefGenerator. File methods that name a *local* path (``upload_file``,
+``download_file``, ``upload_dir``, ``download_dir``) read or write that path on the caller's
+node and move the bytes through Ray's object store in chunks, so sandboxes on other nodes work
+the same; they do the transfer during ``.remote()`` and return a ref to its completion.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from ..runtime import archive
+
+_CHUNK = 4 << 20
+
+
+class _Method:
+    """``handle.name.remote(...)`` / ``handle.name.options(...).remote(...)``."""
+
+    def __init__(self, call: Callable[..., Any]) -> None:
+        self._call = call
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call(*args, **kwargs)
+
+
+def _chunk_refs(chunks: Iterable[bytes]) -> list[ray.ObjectRef]:
+    """Put a byte stream into the object store in ~4 MiB objects (caller memory stays
+    bounded by one chunk)."""
+    refs, buf, size = [], [], 0
+    for c in chunks:
+        buf.append(c)
+        size += len(c)
+        if size >= _CHUNK:
+            refs.append(ray.put(b"".join(buf)))
+            buf, size = [], 0
+    if buf or not refs:
+        refs.append(ray.put(b"".join(buf)))
+    return refs
+
+
+class SandboxHandle:
+    """A sandbox running on some node of the Ray cluster."""
+
+    def __init__(self, sandbox_id: str, host: Any, *, name: str | None = None,
+                 node_id: str | None = None) -> None:
+        self.sandbox_id = sandbox_id
+        self.name = name
+        self.node_id = node_id
+        self._host = host
+
+    def __repr__(self) -> str:
+        return f"SandboxHandle({self.sandbox_id[:12]}, node={str(self.node_id)[:8]})"
+
+    def __reduce__(self):
+        return (SandboxHandle, (self.sandbox_id, self._host),
+                {"name": self.name, "node_id": self.node_id})
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SandboxHandle) and other.sandbox_id == self.sandbox_id
+
+    def __hash__(self) -> int:
+        return hash(self.sandbox_id)
+
+    # --- exec ------------------------------------------------------------------------------
+
+    @property
+    def exec(self) -> _Method:
+        """``exec.remote(command, timeout=, cwd=, env=, user=, shell=, stdin=,
+        max_output_bytes=)`` -> ObjectRef[ExecResult]."""
+        return _Method(lambda cmd, **kw: self._host.exec.remote(self.sandbox_id, cmd, **kw))
+
+    @property
+    def exec_stream(self) -> _Method:
+        """A Ray generator of OutputChunk objects, then the ExecResult."""
+        return _Method(lambda cmd, **kw: self._host.exec_stream.options(
+            num_returns="streaming").remote(self.sandbox_id, cmd, **kw))
+
+    @property
+    def run_python(self) -> _Method:
+        """Run code in a warm, stateful interpreter (``context=`` names it)."""
+        return _Method(lambda code, **kw: self._host.run_python.remote(self.sandbox_id, code,
+                                                                       **kw))
+
+    @property
+    def spawn(self) -> _Method:
+        """Start a background process -> ObjectRef[(process key, pid)]; drive it with
+        ``process.remote(key, "read" | "write_stdin" | "wait" | "kill" | ...)``."""
+        return _Method(lambda cmd, **kw: self._host.spawn.remote(self.sandbox_id, cmd, **kw))
+
+    @property
+    def process(self) -> _Method:
+        return _Method(lambda key, op, *a, **kw: self._host.process.remote(key, op, *a, **kw))
+
+    @property
+    def processes(self) -> _Method:
+        return _Method(lambda: self._host.processes.remote(self.sandbox_id))
+
+    # --- status and lifecycle --------------------------------------------------------------
+
+    @property
+    def status(self) -> _Method:
+        return _Method(lambda: self._host.status.remote(self.sandbox_id))
+
+    get_status = status
+
+    @property
+    def terminate(self) -> _Method:
+        """Delete the sandbox and release its Ray reservation (idempotent)."""
+        return _Method(lambda: self._host.delete.remote(self.sandbox_id))
+
+    delete = terminate
+
+    # --- files inside the sandbox ----------------------------------------------------------
+
+    def _file(self, op: str) -> _Method:
+        return _Method(lambda *a, **kw: self._host.file_op.remote(self.sandbox_id, op, *a, **kw))
+
+    @property
+    def read_file(self) -> _Method:
+        return self._file("read_file")
+
+    @property
+    def write_file(self) -> _Method:
+        """``write_file.remote(path, str | bytes, mode=0o644, append=False)``."""
+        return self._file("write_file")
+
+    @property
+    def stat(self) -> _Method:
+        return self._file("stat")
+
+    @property
+    def exists(self) -> _Method:
+        return self._file("exists")
+
+    @property
+    def list_dir(self) -> _Method:
+        return self._file("list_dir")
+
+    @property
+    def mkdir(self) -> _Method:
+        return self._file("mkdir")
+
+    @property
+    def remove(self) -> _Method:
+        return self._file("remove")
+
+    # --- transfers between the caller's node and the sandbox -------------------------------
+
+    @property
+    def upload_file(self) -> _Method:
+        """``upload_file.remote(local_path, remote_path)``: the caller's file."""
+
+        def call(local: str | Path, remote: str) -> ray.ObjectRef:
+            mode = Path(local).stat().st_mode & 0o7777
+            with open(local, "rb") as f:
+                refs = _chunk_refs(iter(lambda: f.read(_CHUNK), b""))
+            return self._host.write_from_refs.remote(self.sandbox_id, remote, refs, mode)
+
+        return _Method(call)
+
+    @property
+    def download_file(self) -> _Method:
+        """``download_file.remote(remote_path, local_path)``: written on the caller's node."""
+
+        def call(remote: str, local: str | Path) -> ray.ObjectRef:
+            local = Path(local)
+            tmp = local.with_name(f".{local.name}.rsb-tmp")
+            try:
+                with open(tmp, "wb") as f:
+                    for ref in self._host.read_stream.options(num_returns="streaming").remote(
+                        self.sandbox_id, remote
+                    ):
+                        f.write(ray.get(ref))
+                tmp.replace(local)
+            finally:
+                tmp.unlink(missing_ok=True)
+            return ray.put(None)
+
+        return _Method(call)
+
+    @property
+    def upload_dir(self) -> _Method:
+        """``upload_dir.remote(local_dir, remote_dir)`` (modes, symlinks, empty dirs kept)."""
+
+        def call(local: str | Path, remote: str) -> ray.ObjectRef:
+            refs = _chunk_refs(archive.pack_local(Path(local)))
+            return self._host.put_archive_from_refs.remote(self.sandbox_id, remote, refs)
+
+        return _Method(call)
+
+    @property
+    def download_dir(self) -> _Method:
+        """``download_dir.remote(remote_dir, local_dir)``; nothing lands outside local_dir."""
+
+        def call(remote: str, local: str | Path) -> ray.ObjectRef:
+            gen = self._host.archive_stream.options(num_returns="streaming").remote(
+                self.sandbox_id, remote
+            )
+            archive.extract_local((ray.get(ref) for ref in gen), Path(local))
+            return ray.put(None)
+
+        return _Method(call)

@@ -1,0 +1,61 @@
+"""Sandbox metrics exported through ``ray.util.metrics`` (Prometheus via Ray's dashboard agent).
+
+    ray_sandbox_create_seconds   histogram  sandbox create latency on the host
+    ray_sandbox_exec_seconds     histogram  exec latency on the host
+    ray_sandbox_live             gauge      live sandboxes per node
+    ray_sandbox_oom_kills        counter    sandboxes found OOM-killed
+    ray_sandbox_pool_acquires    counter    pool acquires, tagged hit=true|false
+"""
+
+from __future__ import annotations
+
+import functools
+
+from ray.util import metrics as rm
+
+_BOUNDS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
+
+
+@functools.cache
+def _create() -> rm.Histogram:
+    return rm.Histogram("ray_sandbox_create_seconds", "sandbox create latency", _BOUNDS)
+
+
+@functools.cache
+def _exec() -> rm.Histogram:
+    return rm.Histogram("ray_sandbox_exec_seconds", "exec latency", _BOUNDS)
+
+
+@functools.cache
+def _live() -> rm.Gauge:
+    return rm.Gauge("ray_sandbox_live", "live sandboxes on a node", tag_keys=("node",))
+
+
+@functools.cache
+def _oom() -> rm.Counter:
+    return rm.Counter("ray_sandbox_oom_kills", "sandboxes OOM-killed")
+
+
+@functools.cache
+def _pool() -> rm.Counter:
+    return rm.Counter("ray_sandbox_pool_acquires", "pool acquires", tag_keys=("hit",))
+
+
+def observe_create(seconds: float) -> None:
+    _create().observe(seconds)
+
+
+def observe_exec(seconds: float) -> None:
+    _exec().observe(seconds)
+
+
+def set_live(node_id: str, n: int) -> None:
+    _live().set(n, tags={"node": node_id})
+
+
+def count_oom() -> None:
+    _oom().inc()
+
+
+def count_acquire(hit: bool) -> None:
+    _pool().inc(tags={"hit": "true" if hit else "false"})

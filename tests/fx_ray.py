@@ -1,0 +1,42 @@
+"""Fixtures for the Ray layer: a real local Ray cluster whose sandboxes live in a private home
+and use the node's image cache; everything is deleted and checked at teardown."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from ray_sandbox.runtime.paths import images
+from tests.fx_runtime import leftovers
+
+
+@pytest.fixture(scope="module")
+def ray_home(tmp_path_factory, default_image, busybox_image):
+    home = tmp_path_factory.mktemp("rsb-ray")
+    old = {k: os.environ.get(k) for k in ("RAY_SANDBOX_HOME", "RAY_SANDBOX_IMAGES")}
+    os.environ["RAY_SANDBOX_IMAGES"] = str(images())
+    os.environ["RAY_SANDBOX_HOME"] = str(home)
+    yield home
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(ray_home):
+    import ray
+
+    import ray_sandbox
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             object_store_memory=300 * 2**20)
+    yield ray
+    ray_sandbox.shutdown()
+    ray.shutdown()
+    from ray_sandbox.runtime import SandboxRuntime
+
+    SandboxRuntime(ray_home, reap=True)  # anything a killed host left behind
+    assert leftovers(ray_home) == {}, leftovers(ray_home)

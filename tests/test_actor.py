@@ -1,0 +1,208 @@
+"""The Ray layer on a real local Ray cluster: create(), handles, files through Ray, names,
+lifetimes, pools, placement. (Issue: Ray-native sandboxes.)"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tarfile
+import textwrap
+import time
+
+import pytest
+
+import ray_sandbox as sandbox
+from ray_sandbox.runtime.errors import SandboxNotFoundError
+
+
+def test_issue_snippet(ray_cluster, tmp_path):
+    ray = ray_cluster
+    sb = sandbox.create(cpu=1.0, memory="512Mi", image="ray-sandbox/python")
+    result = ray.get(sb.exec.remote("python3 -c 'import sys; print(sys.version)'"))
+    assert result.exit_code == 0 and result.stdout.startswith("3.")
+    ray.get(sb.write_file.remote("/app/train.py", "print('Training complete')"))
+    bundle = tmp_path / "bundle.tar.gz"
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "data.txt").write_text("payload")
+    with tarfile.open(bundle, "w:gz") as t:
+        t.add(src / "data.txt", arcname="data.txt")
+    ray.get(sb.upload_file.remote(str(bundle), "/tmp/bundle.tar.gz"))
+    res = ray.get(sb.exec.remote("mkdir -p /app && tar -xzf /tmp/bundle.tar.gz -C /app"))
+    assert res.exit_code == 0, res.stderr
+    out = ray.get(sb.exec.remote("python3 /app/train.py && cat /app/data.txt"))
+    assert out.stdout == "Training complete\npayload"
+    ray.get(sb.terminate.remote())
+    with pytest.raises(SandboxNotFoundError):
+        ray.get(sb.exec.remote("true"))
+
+
+def test_handle_is_serializable_and_usable_from_tasks(ray_cluster):
+    ray = ray_cluster
+    sb = sandbox.create(image="ray-sandbox/busybox", cpu=0.1, memory="64Mi")
+
+    @ray.remote(num_cpus=0)
+    def use(handle):
+        return ray.get(handle.exec.remote("echo from-task")).stdout
+
+    try:
+        assert ray.get(use.remote(sb)) == "from-task\n"
+    finally:
+        ray.get(sb.terminate.remote())
+
+
+def test_exec_stream_is_a_ray_generator(ray_cluster):
+    ray = ray_cluster
+    sb = sandbox.create(image="ray-sandbox/busybox", cpu=0.1, memory="64Mi")
+    try:
+        items = [ray.get(r) for r in sb.exec_stream.remote("for i in 1 2 3; do echo $i; done")]
+        text = "".join(i.text for i in items[:-1])
+        assert text == "1\n2\n3\n" and items[-1].exit_code == 0
+    finally:
+        ray.get(sb.terminate.remote())
+
+
+def test_reservation_is_in_ray_and_released(ray_cluster):
+    ray = ray_cluster
+    before = ray.cluster_resources()["CPU"]
+    _wait_cpu(ray, before)
+    sb = sandbox.create(image="ray-sandbox/busybox", cpu=1.5, memory="64Mi")
+    deadline = time.time() + 5
+    while ray.available_resources().get("CPU", 0) > before - 1.5 and time.time() < deadline:
+        time.sleep(0.1)
+    assert ray.available_resources().get("CPU", 0) == pytest.approx(before - 1.5)
+    ray.get(sb.terminate.remote())
+    _wait_cpu(ray, before)
+    assert ray.available_resources().get("CPU", 0) == pytest.approx(before)
+
+
+def _wait_cpu(ray, want: float, timeout: float = 10) -> None:
+    """Resource views update asynchronously after a placement group is removed."""
+    deadline = time.time() + timeout
+    while ray.available_resources().get("CPU", 0) < want and time.time() < deadline:
+        time.sleep(0.1)
+
+
+def test_queues_when_full(ray_cluster):
+    ray = ray_cluster
+    from ray_sandbox.runtime.errors import SandboxCreationError
+
+    big = sandbox.create(image="ray-sandbox/busybox", cpu=3.5, memory="64Mi")
+    try:
+        with pytest.raises(SandboxCreationError, match="full"):
+            sandbox.create(image="ray-sandbox/busybox", cpu=1.0, memory="64Mi", timeout=1.0)
+    finally:
+        ray.get(big.terminate.remote())
+    sb = sandbox.create(image="ray-sandbox/busybox", cpu=1.0, memory="64Mi", timeout=30)
+    ray.get(sb.terminate.remote())
+
+
+def test_named_get_list_and_get_if_exists(ray_cluster):
+    ray = ray_cluster
+    sb = sandbox.create(image="ray-sandbox/busybox", cpu=0.1, memory="64Mi", name="alpha",
+                        labels={"team": "rl"})
+    try:
+        again = sandbox.get("alpha")
+        assert again.sandbox_id == sb.sandbox_id
+        assert sandbox.create(name="alpha", get_if_exists=True).sandbox_id == sb.sandbox_id
+        assert [h.sandbox_id for h in sandbox.list(labels={"team": "rl"})] == [sb.sandbox_id]
+        with pytest.raises(SandboxNotFoundError):
+            sandbox.get("beta")
+    finally:
+        ray.get(sb.terminate.remote())
+
+
+DRIVER = textwrap.dedent(
+    """
+    import ray, ray_sandbox as sandbox
+    ray.init(address="auto", namespace="x")
+    a = sandbox.create(image="ray-sandbox/busybox", cpu=0.1, memory="64Mi", name="owned")
+    b = sandbox.create(image="ray-sandbox/busybox", cpu=0.1, memory="64Mi", name="kept",
+                       lifetime="detached")
+    print(a.sandbox_id, b.sandbox_id, flush=True)
+    """
+)
+
+
+def test_owner_tied_and_detached_lifetimes(ray_cluster):
+    ray = ray_cluster
+    out = subprocess.run([sys.executable, "-c", DRIVER], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    owned, kept = out.stdout.split()
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        ids = {h.sandbox_id for h in sandbox.list()}
+        if owned not in ids:
+            break
+        time.sleep(0.25)
+    assert owned not in ids, "the driver's sandbox outlived its driver"
+    assert kept in ids, "the detached sandbox died with its driver"
+    ray.get(sandbox.get("kept").terminate.remote())
+
+
+def test_files_through_ray_byte_exact(ray_cluster, tmp_path):
+    ray = ray_cluster
+    import os
+
+    sb = sandbox.create(image="ray-sandbox/busybox", cpu=0.1, memory="128Mi")
+    try:
+        blob = os.urandom(9 << 20)  # crosses the 4 MiB chunking
+        (tmp_path / "in.bin").write_bytes(blob)
+        ray.get(sb.upload_file.remote(tmp_path / "in.bin", "/tmp/in.bin"))
+        ray.get(sb.download_file.remote("/tmp/in.bin", tmp_path / "out.bin"))
+        assert (tmp_path / "out.bin").read_bytes() == blob
+        (tmp_path / "d/e").mkdir(parents=True)
+        (tmp_path / "d/e/f").write_text("x")
+        ray.get(sb.upload_dir.remote(tmp_path / "d", "/tmp/d"))
+        ray.get(sb.download_dir.remote("/tmp/d", tmp_path / "d2"))
+        assert (tmp_path / "d2/e/f").read_text() == "x"
+        assert ray.get(sb.read_file.remote("/tmp/d/e/f")) == b"x"
+    finally:
+        ray.get(sb.terminate.remote())
+
+
+def test_pool_serves_warm_sandboxes(ray_cluster):
+    ray = ray_cluster
+    with sandbox.SandboxPool(image="ray-sandbox/busybox", cpu=0.1, memory="64Mi", size=2) as pool:
+        pool.wait_warm(2, timeout=60)
+        sb = pool.acquire()
+        assert ray.get(sb.exec.remote("echo warm")).stdout == "warm\n"
+        ray.get(sb.write_file.remote("/tmp/secret", "x"))
+        pool.release(sb)
+        results = list(pool.map(lambda s, i: ray.get(s.exec.remote(f"echo {i}")).stdout,
+                                range(4), concurrency=2))
+        assert results == [f"{i}\n" for i in range(4)]
+        stats = pool.stats()
+        assert stats["hits"] >= 1 and stats["out"] == 0
+
+
+POOL_ACTOR = '''
+import ray
+from ray_sandbox.runtime import SandboxRuntime
+
+
+@ray.remote(num_cpus=0)
+class MyPool:
+    def __init__(self):
+        self.runtime = SandboxRuntime()
+        self.ids = [self.runtime.create(image="ray-sandbox/busybox", memory="64Mi")
+                    for _ in range(2)]
+
+    def run(self, i, cmd):
+        return self.runtime.exec(self.ids[i], cmd).stdout
+
+    def close(self):
+        for sid in self.ids:
+            self.runtime.delete(sid)
+'''
+
+
+def test_user_written_pool_actor_embedding_runtime(ray_cluster, tmp_path):
+    ray = ray_cluster
+    ns: dict = {}
+    exec(compile(POOL_ACTOR, "pool_actor.py", "exec"), ns)
+    pool = ns["MyPool"].remote()
+    assert ray.get(pool.run.remote(1, "echo hi")) == "hi\n"
+    ray.get(pool.close.remote())
+    ray.kill(pool)
