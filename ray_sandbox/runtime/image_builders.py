@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import socket
 import subprocess
@@ -27,12 +28,13 @@ from pathlib import Path
 
 from . import _proc
 from .errors import ImageError, RegistryUnreachableError, StoreFullError, ToolMissingError
-from .skopeo import Skopeo
+from .skopeo import Skopeo, host_architecture
 from .umoci import Umoci
 
 BUSYBOX = Path("/bin/busybox")
 # Fixed timestamp so the busybox image is bit-for-bit reproducible.
 REPRODUCIBLE_EPOCH = 1704067200  # 2024-01-01T00:00:00Z
+DEBIAN_SUITE = "bookworm"
 DEBIAN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # runsc adds no /etc/hosts; without it "localhost" does not resolve inside the sandbox.
 ETC_HOSTS = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
@@ -112,14 +114,12 @@ def write_busybox_layer(tar_path: Path, extra_files: Mapping[str, bytes] | None 
             tar.addfile(entry, io.BytesIO(data))
 
 
-def write_debian_layer(
-    tar_path: Path, *, suite: str = "bookworm", timeout: float = PYTHON_BUILD_TIMEOUT
-) -> None:
+def write_debian_layer(tar_path: Path, *, timeout: float = PYTHON_BUILD_TIMEOUT) -> None:
     """Write a slim Debian + python3 + bash root filesystem as an uncompressed tar."""
     # mmdebstrap stages the whole tree in $TMPDIR: keep it on the disk that receives the tar.
-    env = {"PATH": DEBIAN_PATH, "TMPDIR": str(tar_path.parent), "LC_ALL": "C.UTF-8"}
-    _proc.run(["mmdebstrap", "--quiet", *_DEBIAN_SLIM, suite, str(tar_path)], timeout=timeout,
-              env=env, classify=_classify_mmdebstrap, what="mmdebstrap")
+    env = {**os.environ, "TMPDIR": str(tar_path.parent), "LC_ALL": "C.UTF-8"}
+    _proc.run(["mmdebstrap", "--quiet", *_DEBIAN_SLIM, DEBIAN_SUITE, str(tar_path)],
+              timeout=timeout, env=env, classify=_classify_mmdebstrap, what="mmdebstrap")
 
 
 def _layout_from_layer(
@@ -142,32 +142,35 @@ def write_busybox_layout(
     tag: str = "latest",
     *,
     extra_files: Mapping[str, bytes] | None = None,
-    architecture: str = "amd64",
+    architecture: str | None = None,
     timeout: float = BUSYBOX_BUILD_TIMEOUT,
 ) -> None:
     """Add the busybox image as ``layout:tag`` (the layout is created if needed).
 
-    ``architecture`` only labels the config (tests use it to fake a foreign image).
+    ``architecture`` (default: the host's, like the busybox binary) only labels the config;
+    tests use it to fake a foreign image.
     """
     layout.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=layout.parent, prefix=".busybox-") as work:
         layer = Path(work) / "layer.tar"
         write_busybox_layer(layer, extra_files)
         _layout_from_layer(layout, tag, layer, created=_iso(REPRODUCIBLE_EPOCH),
-                           architecture=architecture, env=["PATH=/bin:/sbin:/usr/bin:/usr/sbin"],
+                           architecture=architecture or host_architecture(),
+                           env=["PATH=/bin:/sbin:/usr/bin:/usr/sbin"],
                            cmd=["/bin/sh"], timeout=timeout)
 
 
 def write_python_layout(
     layout: Path, tag: str = "latest", *, timeout: float = PYTHON_BUILD_TIMEOUT
 ) -> None:
-    """Add the Debian bookworm + python3 image as ``layout:tag`` (about a minute)."""
+    """Add the Debian bookworm + python3 image as ``layout:tag`` (20-60 s here)."""
     deadline = time.monotonic() + timeout
     layout.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=layout.parent, prefix=".debian-") as work:
         layer = Path(work) / "rootfs.tar"
         write_debian_layer(layer, timeout=timeout)
-        _layout_from_layer(layout, tag, layer, created=_iso(time.time()), architecture="amd64",
+        _layout_from_layer(layout, tag, layer, created=_iso(time.time()),
+                           architecture=host_architecture(),
                            env=[f"PATH={DEBIAN_PATH}", "LANG=C.UTF-8"], cmd=["/usr/bin/python3"],
                            timeout=max(1.0, deadline - time.monotonic()))
 

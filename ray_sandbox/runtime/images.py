@@ -26,7 +26,6 @@ import hashlib
 import ipaddress
 import json
 import os
-import platform as host_platform
 import re
 import shutil
 import tempfile
@@ -49,7 +48,7 @@ from .errors import (
     PlatformNotFoundError,
     StoreFullError,
 )
-from .skopeo import Skopeo
+from .skopeo import ARCH_ALIASES, Skopeo, host_architecture
 from .umoci import Umoci
 
 DEFAULT_REGISTRY = "docker.io"
@@ -213,17 +212,13 @@ class PullPolicy(StrEnum):
     NEVER = "never"
 
 
-_ARCH_ALIASES = {"x86_64": "amd64", "aarch64": "arm64", "armv7l": "arm", "i686": "386"}
-
-
 class Platform(BaseModel):
     """The OS/architecture images are selected for (default: this host)."""
 
     model_config = ConfigDict(frozen=True)
 
     os: str = "linux"
-    architecture: str = Field(default_factory=lambda: _ARCH_ALIASES.get(
-        host_platform.machine(), host_platform.machine()))
+    architecture: str = Field(default_factory=host_architecture)
     variant: str | None = None
 
     @classmethod
@@ -232,14 +227,14 @@ class Platform(BaseModel):
         parts = text.split("/")
         if len(parts) not in (2, 3) or not all(parts):
             raise ConfigError(f"platform must look like os/arch[/variant], got {text!r}")
-        return cls(os=parts[0], architecture=_ARCH_ALIASES.get(parts[1], parts[1]),
+        return cls(os=parts[0], architecture=ARCH_ALIASES.get(parts[1], parts[1]),
                    variant=parts[2] if len(parts) == 3 else None)
 
     def __str__(self) -> str:
         return "/".join(p for p in (self.os, self.architecture, self.variant) if p)
 
     def matches(self, os_name: str, architecture: str, variant: str | None) -> bool:
-        return (os_name == self.os and _ARCH_ALIASES.get(architecture, architecture)
+        return (os_name == self.os and ARCH_ALIASES.get(architecture, architecture)
                 == self.architecture and (not self.variant or not variant
                                           or variant == self.variant))
 

@@ -3,8 +3,9 @@ raw manifests. Failures are classified from skopeo's stderr into the ImageError 
 
 from __future__ import annotations
 
+import platform
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import _proc
@@ -48,6 +49,15 @@ _RULES: tuple[tuple[re.Pattern[str], type[ImageError]], ...] = tuple(
 )
 
 
+# uname -m spellings -> OCI architecture names.
+ARCH_ALIASES = {"x86_64": "amd64", "aarch64": "arm64", "armv7l": "arm", "i686": "386"}
+
+
+def host_architecture() -> str:
+    """This machine's architecture as OCI images name it (``amd64``, ``arm64``, …)."""
+    return ARCH_ALIASES.get(platform.machine(), platform.machine())
+
+
 def classify(returncode: int, stderr: str) -> type[ImageError]:
     """Map a failed skopeo run to the ImageError subclass its stderr describes."""
     return next((cls for pattern, cls in _RULES if pattern.search(stderr)), ImageError)
@@ -62,7 +72,7 @@ class Skopeo:
     """skopeo with this node's platform choice and credentials applied to every call."""
 
     os: str = "linux"
-    arch: str = "amd64"
+    arch: str = field(default_factory=host_architecture)
     variant: str | None = None
     authfile: Path | None = None
     binary: str = "skopeo"
