@@ -131,8 +131,11 @@ def test_concurrent_creators_pull_and_unpack_once(
         traced_tools.write_text("")  # count only what the store runs
         store_root, go = root / "store", root / "go"
         ImageStore(store_root)  # create the directories once, like a node does at boot
-        waiter = f"import os,time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.002)\n"
-        code = (waiter + "from ray_sandbox.runtime.images import ImageStore\n"
+        ready = root / "ready"
+        ready.mkdir()
+        code = ("import os, time\nfrom ray_sandbox.runtime.images import ImageStore\n"
+                f"open(os.path.join({str(ready)!r}, str(os.getpid())), 'w').close()\n"
+                f"while not os.path.exists({str(go)!r}): time.sleep(0.002)\n"
                 f"print(ImageStore({str(store_root)!r}).get({ref!r}).rootfs)")
         procs = [subprocess.Popen([sys.executable, "-c", code], cwd=REPO, text=True,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -151,7 +154,10 @@ def test_concurrent_creators_pull_and_unpack_once(
         threads = [threading.Thread(target=worker) for _ in range(10)]
         for t in threads:
             t.start()
-        time.sleep(1.5)  # let the interpreters import ray_sandbox before the start signal
+        deadline = time.monotonic() + 60
+        while len(list(ready.iterdir())) < len(procs):  # all imported, all waiting
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            time.sleep(0.01)
         go.touch()
         for t in threads:
             t.join(60)
