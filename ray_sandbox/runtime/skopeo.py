@@ -75,15 +75,17 @@ class Skopeo:
     arch: str = field(default_factory=host_architecture)
     variant: str | None = None
     authfile: Path | None = None
-    binary: str = "skopeo"
 
     def _argv(self, tmpdir: Path | None, verb: str, *args: str) -> list[str]:
-        argv = [self.binary, "--override-os", self.os, "--override-arch", self.arch]
+        argv = ["skopeo", "--override-os", self.os, "--override-arch", self.arch]
         if self.variant:
             argv += ["--override-variant", self.variant]
         if tmpdir is not None:  # archives are unpacked here, not in /var/tmp
             argv += ["--tmpdir", str(tmpdir)]
         return [*argv, verb, *args]
+
+    def _auth(self) -> list[str]:
+        return ["--authfile", str(self.authfile)] if self.authfile is not None else []
 
     def copy(
         self,
@@ -98,9 +100,7 @@ class Skopeo:
     ) -> None:
         """``skopeo copy SRC DEST`` (one platform unless ``all_images``)."""
         args = ["--quiet", _bool("--src-tls-verify", src_tls_verify),
-                _bool("--dest-tls-verify", dest_tls_verify)]
-        if self.authfile is not None:
-            args += ["--authfile", str(self.authfile)]
+                _bool("--dest-tls-verify", dest_tls_verify), *self._auth()]
         if all_images:
             args.append("--all")
         _proc.run(self._argv(tmpdir, "copy", *args, src, dest), timeout=timeout,
@@ -108,9 +108,7 @@ class Skopeo:
 
     def inspect_raw(self, src: str, *, timeout: float, tls_verify: bool = True) -> bytes:
         """The manifest (or image index) of ``src`` exactly as stored, for digesting."""
-        args = ["--raw", _bool("--tls-verify", tls_verify)]
-        if self.authfile is not None:
-            args += ["--authfile", str(self.authfile)]
+        args = ["--raw", _bool("--tls-verify", tls_verify), *self._auth()]
         done = _proc.run(self._argv(None, "inspect", *args, src), timeout=timeout,
                          classify=classify, what=f"skopeo inspect {src}")
         return done.stdout

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import _proc
@@ -40,12 +40,12 @@ def _repeat(flag: str, values: Sequence[str]) -> list[str]:
 
 @dataclass(frozen=True)
 class Umoci:
-    """umoci; ``--rootless`` is added when not running as root."""
+    """umoci; ``rootless`` (default: not running as root) makes unpack keep files ours."""
 
-    binary: str = "umoci"
+    rootless: bool = field(default_factory=lambda: os.geteuid() != 0)
 
     def _run(self, verb: Sequence[str], *args: str, timeout: float) -> None:
-        _proc.run([self.binary, *verb, *args], timeout=timeout, classify=classify,
+        _proc.run(["umoci", *verb, *args], timeout=timeout, classify=classify,
                   what=f"umoci {' '.join(verb)}")
 
     def init(self, layout: Path, *, timeout: float = DEFAULT_TIMEOUT) -> None:
@@ -86,5 +86,5 @@ class Umoci:
 
     def unpack(self, image: str, bundle: Path, *, timeout: float = DEFAULT_TIMEOUT) -> None:
         """Unpack ``LAYOUT:TAG`` into ``bundle`` (creates ``bundle/rootfs`` and metadata files)."""
-        rootless = ["--rootless"] if os.geteuid() != 0 else []
+        rootless = ["--rootless"] if self.rootless else []
         self._run(["unpack"], *rootless, "--image", image, str(bundle), timeout=timeout)
