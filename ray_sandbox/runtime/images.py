@@ -94,6 +94,7 @@ _DOCKER_REF = re.compile(
     r"(?:@(?P<digest>[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,}))?$"
 )
 _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+_LAYOUT_TAG = re.compile(r"[A-Za-z0-9._-]+")  # containers/image's rule for oci: references
 _OWNER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:@-]{0,199}$")
 
 
@@ -124,7 +125,7 @@ class ImageRef(BaseModel):
     def source(self) -> str:
         """The skopeo source name; a digest wins over a tag (skopeo refuses both)."""
         if self.transport is Transport.DOCKER and self.digest:
-            return f"docker://{self.registry}/{self.repository}@{self.digest}"
+            return self.at_digest(self.digest)
         return str(self)
 
     def at_digest(self, digest: str) -> str:
@@ -165,16 +166,15 @@ def _parse_file_ref(transport: Transport, rest: str, text: str) -> ImageRef:
     path, _, inner = rest.partition(":")
     if not path:
         raise ImageReferenceError(f"{text!r}: missing path")
-    if transport is Transport.DIR and inner:
-        raise ImageReferenceError(f"{text!r}: dir: takes no tag")
-    if inner and transport is not Transport.DOCKER_ARCHIVE and not re.fullmatch(
-        r"[A-Za-z0-9._-]+", inner
-    ):
-        raise ImageReferenceError(f"{text!r}: bad tag {inner!r}")
-    if transport is Transport.DOCKER_ARCHIVE and inner and not _DOCKER_REF.match(inner) and not (
-        re.fullmatch(r"@\d+", inner)
-    ):
-        raise ImageReferenceError(f"{text!r}: bad reference {inner!r} inside the archive")
+    if inner:
+        if transport is Transport.DIR:
+            raise ImageReferenceError(f"{text!r}: dir: takes no tag")
+        if transport is Transport.DOCKER_ARCHIVE:  # a docker reference or @<source index>
+            valid = _DOCKER_REF.match(inner) or re.fullmatch(r"@\d+", inner)
+        else:
+            valid = _LAYOUT_TAG.fullmatch(inner)
+        if not valid:
+            raise ImageReferenceError(f"{text!r}: bad reference {inner!r} inside the image")
     return ImageRef(transport=transport, path=Path(os.path.abspath(path)), reference=inner or None)
 
 
@@ -234,9 +234,10 @@ class Platform(BaseModel):
         return "/".join(p for p in (self.os, self.architecture, self.variant) if p)
 
     def matches(self, os_name: str, architecture: str, variant: str | None) -> bool:
-        return (os_name == self.os and ARCH_ALIASES.get(architecture, architecture)
-                == self.architecture and (not self.variant or not variant
-                                          or variant == self.variant))
+        if os_name != self.os or ARCH_ALIASES.get(architecture, architecture) != self.architecture:
+            return False
+        # A variant missing on either side matches: arm64 images rarely name one.
+        return not (self.variant and variant) or variant == self.variant
 
 
 class ImageConfig(BaseModel):
@@ -308,7 +309,6 @@ class _Resolved(NamedTuple):
 
 
 class _Descriptor(BaseModel):
-    media_type: str | None = Field(None, alias="mediaType")
     digest: str
     platform: dict | None = None
 
