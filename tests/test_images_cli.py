@@ -49,3 +49,9 @@ def test_build_and_errors(temp_store: ImageStore, registry: str) -> None:
     assert invoke(temp_store, "pull", "Not A Ref")[0] == 2
     assert invoke(temp_store, "inspect", "python:3")[0] == 2
     assert invoke(temp_store, "build", "nope")[0] == 2
+
+
+def test_help_renders() -> None:
+    for command in ([], ["pull"], ["build"], ["ls"], ["inspect"], ["rm"], ["prune"]):
+        result = runner.invoke(app, [*command, "--help"])
+        assert result.exit_code == 0, result.output

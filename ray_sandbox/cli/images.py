@@ -29,9 +29,9 @@ AsJson = Annotated[bool, typer.Option("--json", help="machine-readable output")]
 def _store_options(
     ctx: typer.Context,
     root: Annotated[Path | None, typer.Option(help="store directory (default: node store)")] = None,
-    platform: Annotated[str | None, typer.Option(help="os/arch[/variant] (default: host)")] = None,
+    platform: Annotated[str | None, typer.Option(help="os/arch or os/arch/variant")] = None,
     insecure_registry: Annotated[list[str] | None, typer.Option(
-        "--insecure-registry", help="host[:port] reached without TLS (repeatable)")] = None,
+        "--insecure-registry", help="HOST or HOST:PORT reached without TLS (repeatable)")] = None,
     max_bytes: Annotated[int | None, typer.Option(help="evict LRU unpinned images above")] = None,
 ) -> None:
     insecure = tuple(insecure_registry or ())
@@ -86,12 +86,15 @@ def _show(images: list[Image], store: ImageStore, as_json: bool) -> None:
         typer.echo(json.dumps([_as_dict(i, store) for i in images], indent=2))
         return
     table = Table()
-    for column in ("REFERENCE", "DIGEST", "SIZE", "PINS", "LAST USED"):
-        table.add_column(column, justify="right" if column in ("SIZE", "PINS") else "left")
+    table.add_column("REFERENCE", overflow="fold")
+    table.add_column("DIGEST", no_wrap=True)
+    table.add_column("SIZE", justify="right", no_wrap=True)
+    table.add_column("PINS", justify="right")
+    table.add_column("LAST USED", no_wrap=True)
     for image in images:
         table.add_row(image.ref, image.digest[:19], _size(image.size_bytes),
                       str(len(store.pins(image.digest))),
-                      time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(image.last_used)))
+                      time.strftime("%Y-%m-%d %H:%M", time.localtime(image.last_used)))
     out.print(table)
 
 
