@@ -46,6 +46,9 @@ def test_gc_removes_orphaned_runsc_container(rt_home, runtime):
     # Lose the sandbox's record as if its directory had been wiped: runsc still runs it.
     import shutil
 
+    from ray_sandbox.runtime import _mount
+
+    _mount.unmount(rt_home / "sandboxes" / sid / "root")
     shutil.rmtree(rt_home / "sandboxes" / sid)
     with runtime._lock:
         runtime._owned.discard(sid)

@@ -144,6 +144,8 @@ def test_ttl_deletes_and_reports(runtime):
         time.sleep(0.1)
     st = runtime.get_status(sid)
     assert (st.state, st.reason) == (SandboxState.TERMINATED, "TTLExpired")
+    while time.time() < deadline and (runtime.sandboxes_dir / sid).exists():
+        time.sleep(0.05)
     assert not (runtime.sandboxes_dir / sid).exists()
 
 
@@ -247,3 +249,35 @@ def test_shell_less_image_exec_argv(runtime, static_image_ref):
         assert runtime.read_file(sid, "/tmp/x") == b"123"
     finally:
         runtime.delete(sid)
+
+
+def _tree(root: Path) -> dict[str, tuple[int, int]]:
+    import os
+
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in dirnames + filenames:
+            p = os.path.join(dirpath, n)
+            st = os.lstat(p)
+            out[os.path.relpath(p, root)] = (st.st_mode, st.st_size)
+    return out
+
+
+def test_shared_image_rootfs_is_never_written(runtime, image_store, tmp_path):
+    rootfs = Path(image_store.get("ray-sandbox/busybox").rootfs)
+    before = _tree(rootfs)
+    extra = tmp_path / "extra"
+    extra.mkdir()
+
+    def add_mount(spec):
+        spec["mounts"].append({"destination": "/brand/new/mnt", "type": "bind",
+                               "source": str(extra), "options": ["rbind", "ro"]})
+
+    for readonly in (True, False):
+        sid = runtime.create(image="ray-sandbox/busybox", memory="64Mi", readonly=readonly,
+                             workdir="/not/in/image", spec_transform=add_mount)
+        try:
+            assert runtime.exec(sid, "ls -d /brand/new/mnt /not/in/image").exit_code == 0
+        finally:
+            runtime.delete(sid)
+    assert _tree(rootfs) == before

@@ -4,7 +4,10 @@
 
     record.json        SandboxRecord: config, image, owner, runsc flags (the source of truth
                        for every process on the node, so state survives the creator)
-    bundle/config.json the OCI spec runsc reads (root.path points at the shared image rootfs)
+    bundle/config.json the OCI spec runsc reads
+    root/              the sandbox's root: an overlay mount of the shared image rootfs with
+    upper/, ovwork/    a private upper layer (runsc creates mount points there, never in the
+                       shared image)
     run/               bind-mounted rw at /.rsb/run; the agent creates its socket here
     etc/               generated hosts, resolv.conf, hostname (bind-mounted per file)
     work/              the writable workdir of a read-only sandbox
@@ -66,6 +69,18 @@ class SandboxDir:
     @property
     def socket(self) -> Path:
         return self.run / "agent.sock"
+
+    @property
+    def root(self) -> Path:
+        return self.path / "root"
+
+    @property
+    def upper(self) -> Path:
+        return self.path / "upper"
+
+    @property
+    def ovwork(self) -> Path:
+        return self.path / "ovwork"
 
     @property
     def etc(self) -> Path:

@@ -83,7 +83,8 @@ class RunscVersion(BaseModel):
 def classify(returncode: int, stderr: str) -> type[SandboxError]:
     """Map a runsc failure to an error class."""
     s = stderr.lower()
-    if "file does not exist" in s or "no such container" in s or "not found" in s:
+    if ("file does not exist" in s or "no such container" in s or "not found" in s
+            or ("loading container" in s and "no such file or directory" in s)):
         return SandboxNotFoundError
     if "in state" in s or "is not running" in s or "cannot" in s and "state" in s:
         return SandboxStateError

@@ -8,7 +8,6 @@ bookkeeping, and a reaper can clean up after a creator that died.
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import heapq
 import os
 import re
@@ -23,7 +22,7 @@ from typing import Any, BinaryIO
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from . import _subreaper, archive, bundle, paths
+from . import _mount, _subreaper, archive, bundle, paths
 from .agent.client import AgentClient, AgentProcess
 from .agent.pyrepl import PythonContext, PythonResult
 from .bundle import SandboxDir
@@ -58,7 +57,8 @@ class SandboxRecord(BaseModel):
     config: dict[str, Any]
     image: str
     image_digest: str
-    rootfs: str
+    rootfs: str  # the sandbox's own overlay root
+    image_rootfs: str  # the shared, read-only image rootfs
     image_env: list[str] = Field(default_factory=list)
     image_user: str | None = None
     image_workdir: str | None = None
@@ -103,51 +103,6 @@ def _agent_binary() -> Path:
             "`make -C ray_sandbox/runtime/agent` (scripts/setup.sh does)"
         )
     return path
-
-
-def _ensure_mountpoints(rootfs: Path, dirs: Iterable[str], files: Iterable[str]) -> None:
-    """Create missing mount points in the shared rootfs before runsc does.
-
-    runsc's gofer creates missing bind-mount targets in the *host* root directory; doing it
-    here first, under a lock and without following symlinks, keeps that the only change ever
-    made to a shared rootfs (empty directories and files, owned by root).
-    """
-    missing = [p for p in (*dirs, *files) if not os.path.lexists(rootfs / p.lstrip("/"))]
-    if not missing:
-        return
-    lock = rootfs.parent / ".mountpoints.lock"
-    with open(lock, "a") as lf:
-        fcntl.flock(lf, fcntl.LOCK_EX)
-        for p in dirs:
-            _make_below(rootfs, p, is_dir=True)
-        for p in files:
-            _make_below(rootfs, p, is_dir=False)
-
-
-def _make_below(rootfs: Path, path: str, *, is_dir: bool) -> None:
-    parts = [p for p in path.split("/") if p]
-    fd = os.open(rootfs, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    try:
-        for i, part in enumerate(parts):
-            last = i == len(parts) - 1
-            try:
-                if last and not is_dir:
-                    os.close(os.open(part, os.O_CREAT | os.O_WRONLY | os.O_NOFOLLOW, 0o644,
-                                     dir_fd=fd))
-                    return
-                os.mkdir(part, 0o755, dir_fd=fd)
-            except FileExistsError:
-                pass
-            except OSError:
-                return  # a symlink or odd file: leave it to runsc's confined resolution
-            try:
-                nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
-            except OSError:
-                return
-            os.close(fd)
-            fd = nfd
-    finally:
-        os.close(fd)
 
 
 def _network():
@@ -269,16 +224,12 @@ class SandboxRuntime:
     ) -> SandboxRecord:
         network = _network()
         self.images.pin(image.digest, sandbox_id)
-        rootfs = Path(image.rootfs)
+        rootfs = sdir.root
+        _mount.mount_overlay(Path(image.rootfs), sdir.upper, sdir.ovwork, rootfs,
+                             sandbox_id=sandbox_id)
         attachment = network.attach(sandbox_id, cfg, sdir.path)
-        mount_dirs = [bundle.AGENT_DIR, bundle.AGENT_RUN_DIR, "/proc", "/dev", "/sys", "/tmp"]
-        mount_files = ["/etc/hosts", "/etc/hostname"]
-        if attachment.resolv_conf is not None:
-            mount_files.append("/etc/resolv.conf")
         if cfg.readonly and cfg.workdir:
-            mount_dirs.append(cfg.workdir)
-            bundle.seed_workdir(rootfs, cfg.workdir, sdir.work)
-        _ensure_mountpoints(rootfs, mount_dirs, mount_files)
+            bundle.seed_workdir(Path(image.rootfs), cfg.workdir, sdir.work)
         overlay = "none"
         if not cfg.readonly:
             sdir.overlay.mkdir()
@@ -310,6 +261,7 @@ class SandboxRuntime:
             image=cfg.image,
             image_digest=image.digest,
             rootfs=str(rootfs),
+            image_rootfs=str(image.rootfs),
             image_env=list(image.config.env),
             image_user=image.config.user or None,
             image_workdir=image.config.working_dir or None,
@@ -335,6 +287,10 @@ class SandboxRuntime:
             log_dir=sdir.path,
         )
         self._wait_ready(sandbox_id, sdir)
+        if cfg.workdir and not cfg.readonly:
+            # Like a Dockerfile WORKDIR: it exists even if the image lacks it. Made through
+            # the agent, inside the sandbox, so image symlinks cannot point it at the host.
+            self._clients[sandbox_id].mkdir(cfg.workdir, parents=True)
         rec = rec.model_copy(update={"phase": "created"})
         self._write_record(sdir, rec)
         return rec
@@ -422,6 +378,8 @@ class SandboxRuntime:
                 pass
         for leftover in self.runsc.root.glob(f"*{sandbox_id}*"):
             leftover.unlink(missing_ok=True)
+        for point in _mount.mounts_under(sdir.path):
+            _mount.unmount(point)
         sdir.remove()
         if errors:
             raise errors[0]
@@ -456,13 +414,13 @@ class SandboxRuntime:
     def get_status(self, sandbox_id: str) -> SandboxStatus:
         """The sandbox's state as runsc reports it now."""
         self._check_id(sandbox_id)
-        rec = self._load_record(sandbox_id)
-        if rec is None:
-            reason = self._tombstones.get(sandbox_id)
-            if reason is None:
-                raise SandboxNotFoundError("no such sandbox", sandbox_id=sandbox_id)
+        reason = self._tombstones.get(sandbox_id)
+        if reason is not None:  # deleted (or being deleted) by this runtime
             return SandboxStatus(sandbox_id=sandbox_id, state=SandboxState.TERMINATED,
                                  reason=reason)
+        rec = self._load_record(sandbox_id)
+        if rec is None:
+            raise SandboxNotFoundError("no such sandbox", sandbox_id=sandbox_id)
         state, reason = self._runsc_state(rec)
         return SandboxStatus(
             sandbox_id=sandbox_id,
@@ -537,7 +495,7 @@ class SandboxRuntime:
         cfg = rec.config
         if isinstance(command, str):
             sh = shell or "/bin/sh"
-            if not os.path.lexists(Path(rec.rootfs) / sh.lstrip("/")):
+            if not os.path.lexists(Path(rec.image_rootfs) / sh.lstrip("/")):
                 raise ExecError(
                     f"image {rec.image} has no {sh}; pass the command as an argv list",
                     sandbox_id=rec.sandbox_id,

@@ -1,0 +1,51 @@
+"""The per-sandbox root: a kernel overlayfs over the shared, read-only image rootfs.
+
+runsc's gofer creates missing mount points (``/.rsb/run``, a workdir, a mount added by a
+spec_transform) in the *host* directory it is given as the root. Giving it a per-sandbox
+overlay whose upper layer is private means those land in the sandbox's own directory and the
+shared image is never written. mount(2)/umount2(2) are called directly: one syscall each.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+from .errors import SandboxCreationError
+
+_MNT_DETACH = 2
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+
+
+def mount_overlay(lower: Path, upper: Path, work: Path, target: Path, *, sandbox_id: str) -> None:
+    for d in (upper, work, target):
+        d.mkdir(exist_ok=True)
+    opts = f"lowerdir={lower},upperdir={upper},workdir={work}".encode()
+    if _libc.mount(b"overlay", os.fsencode(target), b"overlay", 0, opts) != 0:
+        err = ctypes.get_errno()
+        raise SandboxCreationError(
+            f"mounting the sandbox root overlay on {target} failed: {os.strerror(err)}",
+            sandbox_id=sandbox_id,
+        )
+
+
+def unmount(target: Path) -> bool:
+    """Lazily unmount ``target``; False if it was not mounted."""
+    if _libc.umount2(os.fsencode(target), _MNT_DETACH) == 0:
+        return True
+    return False
+
+
+def mounts_under(prefix: Path) -> list[Path]:
+    """Mount points below ``prefix`` (from /proc/self/mountinfo), deepest first."""
+    out = []
+    pre = str(prefix).rstrip("/") + "/"
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            point = line.split()[4].encode().decode("unicode_escape")
+            if point.startswith(pre):
+                out.append(Path(point))
+    return sorted(out, key=lambda p: len(p.parts), reverse=True)
