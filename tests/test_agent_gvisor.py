@@ -175,7 +175,7 @@ def test_warm_python_inside(python_box):
 
 
 @pytest.mark.skipif(not os.environ.get("RAY_SANDBOX_HEAVY"), reason="RAY_SANDBOX_HEAVY=1")
-def test_print_performance(busybox_box, python_box):
+def test_print_performance(busybox_box, static_box, python_box):
     """Numbers for the report (printed, never asserted): run with -s."""
     c = busybox_box.client
 
@@ -191,6 +191,7 @@ def test_print_performance(busybox_box, python_box):
     rows = {
         "runsc exec true": p50(lambda: busybox_box.runsc_exec("true"), 30),
         "agent exec true": p50(lambda: c.exec(["true"])),
+        "agent exec /hello (small static binary)": p50(lambda: static_box.client.exec(["/hello"])),
         "agent ping": p50(c.ping),
     }
     c.write_file("/tmp/k", os.urandom(1024))

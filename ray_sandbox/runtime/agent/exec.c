@@ -232,22 +232,24 @@ static int exec_search(char *const argv[], char *const envp[])
     return eacces ? EACCES : ENOENT;
 }
 
+/* Written by the vforked child before it gives up; the parent reads it once vfork returns
+ * (it is suspended until then), so no pipe is needed. */
 struct child_fail {
     int stage; /* 1 user, 2 cwd, 3 stdio/session */
     int err;
 };
 
-static void child_fail(int fd, int stage)
+static void child_fail(volatile struct child_fail *f, int stage)
 {
-    struct child_fail f = {stage, errno};
-    if (write(fd, &f, sizeof f) < 0) { /* the parent then only sees exit 127 */ }
+    f->err = errno;
+    f->stage = stage;
     _exit(127);
 }
 
 /* Runs in the vforked child (sharing the handler's memory until exec): only syscalls and
  * stack buffers here, and it never returns. */
 static void child_exec(const struct exec_req *r, const struct user *u, const int fds[3],
-                       int errfd)
+                       volatile struct child_fail *fail)
 {
     sigset_t none;
     sigemptyset(&none);
@@ -255,19 +257,19 @@ static void child_exec(const struct exec_req *r, const struct user *u, const int
         signal(sig, SIG_DFL);
     sigprocmask(SIG_SETMASK, &none, NULL);
     if (setsid() < 0)
-        child_fail(errfd, 3);
+        child_fail(fail, 3);
     if (r->pty && ioctl(fds[0], TIOCSCTTY, 0) < 0)
-        child_fail(errfd, 3);
+        child_fail(fail, 3);
     for (int i = 0; i < 3; i++)
         if (dup2(fds[i], i) < 0)
-            child_fail(errfd, 3);
+            child_fail(fail, 3);
     if (u->ngroups >= 0) {
         if (setgroups((size_t)u->ngroups, u->groups) < 0 || setgid(u->gid) < 0
             || setuid(u->uid) < 0)
-            child_fail(errfd, 1);
+            child_fail(fail, 1);
     }
     if (r->cwd && chdir(r->cwd) < 0)
-        child_fail(errfd, 2);
+        child_fail(fail, 2);
     int e = exec_search(r->argv, r->envp);
     dprintf(2, e == ENOENT ? "%s: command not found\n" : "%s: %s\n", r->argv[0], strerror(e));
     _exit(e == ENOENT || e == ENOTDIR ? 127 : 126);
@@ -558,7 +560,8 @@ int op_exec(struct conn *c, const struct frame *req)
     }
 
     struct run run = {.out_fd = {-1, -1}, .in_fd = -1};
-    int child[3] = {-1, -1, -1}, errpipe[2] = {-1, -1}, ok;
+    volatile struct child_fail fail = {0, 0};
+    int child[3] = {-1, -1, -1}, ok;
     if (r.pty) {
         ok = open_pty(&run.out_fd[0], &child[0], &r) == 0;
         if (ok) {
@@ -574,7 +577,6 @@ int op_exec(struct conn *c, const struct frame *req)
         run.out_fd[0] = p[1][0], child[1] = p[1][1];
         run.out_fd[1] = p[2][0], child[2] = p[2][1];
     }
-    ok = ok && pipe2(errpipe, O_CLOEXEC) == 0;
 
     sigset_t waitmask; /* SIGCHLD stays blocked except inside ppoll */
     sigprocmask(SIG_SETMASK, NULL, &waitmask);
@@ -585,23 +587,15 @@ int op_exec(struct conn *c, const struct frame *req)
      * copying the handler's halves the cost of starting a command. */
     run.pid = ok ? vfork() : -1;
     if (run.pid == 0)
-        child_exec(&r, &u, child, errpipe[1]);
+        child_exec(&r, &u, child, &fail);
     e = errno;
     for (int i = 0; i < 3; i++)
         if (i == 0 || child[i] != child[0])
             close_fd(&child[i]);
-    close_fd(&errpipe[1]);
-    struct child_fail fail = {0, 0};
-    if (run.pid > 0) {
-        ssize_t n;
-        while ((n = read(errpipe[0], &fail, sizeof fail)) < 0 && errno == EINTR)
-            ;
-        if (n == (ssize_t)sizeof fail) {
-            waitpid(run.pid, NULL, 0);
-            e = fail.err;
-        }
+    if (run.pid > 0 && fail.stage) {
+        waitpid(run.pid, NULL, 0);
+        e = fail.err;
     }
-    close_fd(&errpipe[0]);
     int close_conn;
     if (run.pid <= 0 || fail.stage) {
         close_fd(&run.out_fd[0]);
