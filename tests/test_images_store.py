@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -215,6 +216,13 @@ def test_local_images_are_built_on_demand_once(temp_store: ImageStore, traced_to
     assert len(calls(traced_tools, "umoci", "unpack")) == 1
     with pytest.raises(ImageNotFoundError):
         temp_store.get("ray-sandbox/nope")
+
+
+def test_a_live_store_survives_its_directory_being_wiped(temp_store: ImageStore) -> None:
+    first = temp_store.get("ray-sandbox/busybox")
+    shutil.rmtree(temp_store.root)  # an operator's rm -rf under a running runtime
+    again = temp_store.get("ray-sandbox/busybox")
+    assert again.digest == first.digest and again.rootfs.is_dir()
 
 
 def test_pins_block_removal_and_survive_restarts(

@@ -425,8 +425,7 @@ class ImageStore:
         self._skopeo = Skopeo(os=self.platform.os, arch=self.platform.architecture,
                               variant=self.platform.variant, authfile=auth)
         self._umoci = Umoci()
-        for sub in ("blobs/sha256", "sha256", "refs", "locks", "tmp"):
-            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        self._make_dirs()
         self._sweep()
 
     # -- public API ---------------------------------------------------------------------
@@ -561,6 +560,7 @@ class ImageStore:
             return image
         if not fetch:
             raise ImageNotFoundError(f"{ref} is not in the image store (pull policy never)")
+        self._make_dirs()  # cheap, and survives an operator wiping the store under a live process
         deadline = time.monotonic() + timeout
         with self._locked(f"ref-{key}", deadline):
             # Whoever held the lock before us may have just fetched it.
@@ -571,6 +571,10 @@ class ImageStore:
         return image
 
     # -- lookups --------------------------------------------------------------------------
+
+    def _make_dirs(self) -> None:
+        for sub in ("blobs/sha256", "sha256", "refs", "locks", "tmp"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
 
     def _dir(self, digest: str) -> Path:
         return self.root / "sha256" / _hex(digest)
