@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import assume, given
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from ray_sandbox.runtime.errors import ConfigError, ImageReferenceError
@@ -96,6 +96,7 @@ _component = st.from_regex(r"[a-z0-9]{1,5}([._-][a-z0-9]{1,5}){0,2}", fullmatch=
 _tag = st.from_regex(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,20}", fullmatch=True)
 
 
+@settings(database=None)  # leave no .hypothesis/ behind
 @given(
     registry=st.sampled_from(["", "localhost:5000/", "127.0.0.1:15000/", "reg.example.com/"]),
     path=st.lists(_component, min_size=1, max_size=3),
@@ -114,6 +115,7 @@ def test_docker_refs_round_trip(registry: str, path: list[str], tag: str | None,
     assert ref.repository.endswith("/".join(path))
 
 
+@settings(database=None)
 @given(st.text(max_size=40))
 def test_never_crashes_on_garbage(text: str) -> None:
     try:
