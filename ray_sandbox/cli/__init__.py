@@ -1,1 +1,16 @@
-"""The ``ray-sandbox`` command line."""
+"""The ``ray-sandbox`` command line: images, sandboxes, garbage collection, diagnostics."""
+
+from __future__ import annotations
+
+import typer
+
+from .doctor import doctor
+from .images import app as image_app
+from .sandboxes import app as sandbox_app
+
+app = typer.Typer(help="Isolated gVisor sandboxes for Ray programs.", no_args_is_help=True)
+app.add_typer(image_app, name="image", help="Pull, build, list and remove images.")
+app.registered_commands += sandbox_app.registered_commands
+app.command()(doctor)
+
+__all__ = ["app"]

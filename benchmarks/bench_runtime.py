@@ -1,0 +1,144 @@
+"""SandboxRuntime speed, side by side with bare runsc in the same run.
+
+    .venv/bin/python -m benchmarks.bench_runtime [--quick]
+
+Rows: create→ready and delete (ours: SandboxRuntime; baseline: ``runsc run --detach`` of a
+sleep bundle + ``runsc delete``), exec ``true`` (agent vs one ``runsc exec`` per command),
+1 KiB file read/write (agent vs ``runsc exec cat``), warm ``run_python`` (vs ``python3 -c`` per
+call), 100 MB upload/download, and 16 concurrent callers on one sandbox and on 16 sandboxes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from benchmarks._harness import emit, measure
+from ray_sandbox.runtime import SandboxRuntime
+
+
+def _baseline_bundle(rt: SandboxRuntime, sid: str, tmp: Path) -> Path:
+    """A copy of a live sandbox's bundle whose init is plain ``sleep`` (no agent)."""
+    spec = json.loads((rt.sandboxes_dir / sid / "bundle" / "config.json").read_text())
+    spec["process"]["args"] = ["/bin/sleep", "100000"]
+    spec["mounts"] = [m for m in spec["mounts"] if not m["destination"].startswith("/.rsb")]
+    b = tmp / "bundle"
+    b.mkdir()
+    (b / "config.json").write_text(json.dumps(spec))
+    return b
+
+
+def _ops_per_s(fn, workers: int, seconds: float) -> float:
+    stop = time.monotonic() + seconds
+    counts = [0] * workers
+
+    def loop(i: int) -> None:
+        while time.monotonic() < stop:
+            fn(i)
+            counts[i] += 1
+
+    threads = [threading.Thread(target=loop, args=(i,)) for i in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(counts) / seconds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    n = 10 if args.quick else 40
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="rsb-bench-") as tmpd, SandboxRuntime(
+        Path(tmpd) / "home"
+    ) as rt:
+        tmp = Path(tmpd)
+        ids: list[str] = []
+
+        def create():
+            ids.append(rt.create(image="ray-sandbox/busybox", memory="128Mi", cpu=1))
+
+        rows.append(measure("create→ready (ours)", create, max(5, n // 4), warmup=1))
+        rows.append(measure("delete (ours)", lambda: rt.delete(ids.pop()), max(5, n // 4),
+                            warmup=0))
+        sid = rt.create(image="ray-sandbox/busybox", memory="256Mi", cpu=2)
+        bundle = _baseline_bundle(rt, sid, tmp)
+        base_ids: list[str] = []
+
+        def base_create():
+            bid = os.urandom(16).hex()
+            rt.runsc.run_detached(bid, bundle, network="none", overlay="none",
+                                  platform="ptrace", log_dir=tmp)
+            base_ids.append(bid)
+
+        rows.append(measure("create (baseline runsc run)", base_create, max(5, n // 4)))
+        rows.append(measure("delete (baseline runsc delete)",
+                            lambda: rt.runsc.delete(base_ids.pop()), max(5, n // 4), warmup=0))
+        for bid in base_ids:
+            rt.runsc.delete(bid)
+
+        rows.append(measure("exec true (ours)", lambda: rt.exec(sid, ["/bin/true"]), n * 5))
+        rows.append(measure("exec true (baseline runsc exec)",
+                            lambda: rt.runsc.exec(sid, ["/bin/true"], timeout=30), n))
+        kib = os.urandom(1024)
+        rows.append(measure("write 1 KiB (ours)", lambda: rt.write_file(sid, "/tmp/k", kib),
+                            n * 5))
+        rows.append(measure("read 1 KiB (ours)", lambda: rt.read_file(sid, "/tmp/k"), n * 5))
+        rows.append(measure("write 1 KiB (baseline runsc exec)",
+                            lambda: rt.runsc.exec(sid, ["/bin/sh", "-c", "cat > /tmp/k2"],
+                                                  stdin=kib, timeout=30), n))
+        rows.append(measure("read 1 KiB (baseline runsc exec)",
+                            lambda: rt.runsc.exec(sid, ["/bin/cat", "/tmp/k"], timeout=30), n))
+
+        big = tmp / "big.bin"
+        with open(big, "wb") as f:
+            for _ in range(100):
+                f.write(os.urandom(1 << 20))
+        rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        rows.append(measure("upload 100 MB (ours)",
+                            lambda: rt.upload_file(sid, big, "/tmp/big.bin"), 3, warmup=0))
+        rows.append(measure("download 100 MB (ours)",
+                            lambda: rt.download_file(sid, "/tmp/big.bin", tmp / "back.bin"), 3,
+                            warmup=0))
+        grew = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
+        rows[-1]["host_maxrss_growth_mb"] = round(grew, 1)
+        rt.remove(sid, "/tmp/big.bin")
+        (tmp / "back.bin").unlink()
+
+        secs = 3.0 if args.quick else 6.0
+        ours = _ops_per_s(lambda i: rt.exec(sid, ["/bin/true"]), 16, secs)
+        base = _ops_per_s(lambda i: rt.runsc.exec(sid, ["/bin/true"], timeout=60), 16, secs)
+        rows.append({"label": "16 callers, 1 sandbox: exec true ops/s", "ours": round(ours, 1),
+                     "baseline": round(base, 1), "ratio": round(ours / base, 2)})
+        many = [rt.create(image="ray-sandbox/busybox", memory="64Mi", cpu=0.1)
+                for _ in range(16)]
+        ours = _ops_per_s(lambda i: rt.exec(many[i], ["/bin/true"]), 16, secs)
+        base = _ops_per_s(lambda i: rt.runsc.exec(many[i], ["/bin/true"], timeout=60), 16,
+                          secs)
+        rows.append({"label": "16 callers, 16 sandboxes: exec true ops/s", "ours": round(ours, 1),
+                     "baseline": round(base, 1), "ratio": round(ours / base, 2)})
+        with ThreadPoolExecutor(8) as ex:
+            list(ex.map(rt.delete, many))
+        rt.delete(sid)
+
+        py = rt.create(image="ray-sandbox/python", memory="256Mi", cpu=1)
+        if hasattr(rt, "run_python"):
+            rows.append(measure("run_python print(1) warm (ours)",
+                                lambda: rt.run_python(py, "print(1)"), n * 2, warmup=2))
+        rows.append(measure("python3 -c print(1) per call (baseline, agent exec)",
+                            lambda: rt.exec(py, ["python3", "-c", "print(1)"]), n))
+        rt.delete(py)
+    emit("runtime", rows)
+
+
+if __name__ == "__main__":
+    main()

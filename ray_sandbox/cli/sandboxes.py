@@ -1,0 +1,214 @@
+"""Sandbox commands: run, create, exec, ps, rm, gc, cp, logs."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ..runtime import SandboxRuntime
+from ..runtime.errors import SandboxError
+
+app = typer.Typer()
+err = Console(stderr=True)
+
+
+def _fail(exc: SandboxError) -> typer.Exit:
+    err.print(f"[red]error:[/red] {exc}")
+    return typer.Exit(2)
+
+
+def _config_opts(
+    image: str, cpu: float | None, memory: str | None, network: str, readonly: bool,
+    workdir: str | None, env: list[str], ttl: float | None,
+) -> dict:
+    env_map = {}
+    for item in env:
+        k, sep, v = item.partition("=")
+        if not sep:
+            raise typer.BadParameter(f"--env needs KEY=VALUE, got {item!r}")
+        env_map[k] = v
+    return {
+        "image": image, "cpu": cpu, "memory": memory, "network": network, "readonly": readonly,
+        "workdir": workdir, "env": env_map, "ttl_seconds": ttl,
+    }
+
+
+_IMAGE = typer.Option("ray-sandbox/python", "--image", "-i", help="image reference")
+_CPU = typer.Option(1.0, help="CPU quota in cores")
+_MEM = typer.Option("512Mi", help="memory limit")
+_NET = typer.Option("none", help="none | public | host | sandbox")
+_RO = typer.Option(True, "--readonly/--writable", help="read-only root (default) or private CoW")
+_WORKDIR = typer.Option(None, help="writable working directory")
+_ENV = typer.Option([], "--env", "-e", help="KEY=VALUE (repeatable)")
+
+
+def _print_result(res, as_json: bool) -> None:
+    if as_json:
+        typer.echo(json.dumps({
+            "exit_code": res.exit_code, "stdout": res.stdout, "stderr": res.stderr,
+            "timed_out": res.timed_out, "truncated": res.truncated,
+            "duration_seconds": res.duration_seconds,
+        }))
+        return
+    sys.stdout.buffer.write(res.stdout_bytes)
+    sys.stdout.flush()
+    sys.stderr.buffer.write(res.stderr_bytes)
+    sys.stderr.flush()
+    if res.timed_out:
+        err.print("[yellow]timed out[/yellow]")
+
+
+@app.command()
+def run(
+    command: list[str] = typer.Argument(..., help="command (after --)"),
+    image: str = _IMAGE, cpu: float = _CPU, memory: str = _MEM, network: str = _NET,
+    readonly: bool = _RO, workdir: str | None = _WORKDIR, env: list[str] = _ENV,
+    timeout: float | None = typer.Option(None, help="seconds"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Run one command in a fresh sandbox, then delete it. Exits with the command's code."""
+    try:
+        with SandboxRuntime() as rt:
+            sid = rt.create(**_config_opts(image, cpu, memory, network, readonly, workdir, env,
+                                           None))
+            cmd = command[0] if len(command) == 1 else command
+            res = rt.exec(sid, cmd, timeout=timeout)
+    except SandboxError as exc:
+        raise _fail(exc) from None
+    _print_result(res, as_json)
+    raise typer.Exit(res.exit_code)
+
+
+@app.command()
+def create(
+    image: str = _IMAGE, cpu: float = _CPU, memory: str = _MEM, network: str = _NET,
+    readonly: bool = _RO, workdir: str | None = _WORKDIR, env: list[str] = _ENV,
+    ttl: float | None = typer.Option(None, help="delete after this many seconds"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Create a sandbox that outlives this command; prints its id."""
+    try:
+        rt = SandboxRuntime()
+        sid = rt.create(detach=True, **_config_opts(image, cpu, memory, network, readonly,
+                                                    workdir, env, ttl))
+    except SandboxError as exc:
+        raise _fail(exc) from None
+    typer.echo(json.dumps({"sandbox_id": sid}) if as_json else sid)
+
+
+@app.command("exec")
+def exec_(
+    sandbox_id: str,
+    command: list[str] = typer.Argument(..., help="command (after --)"),
+    timeout: float | None = typer.Option(None, help="seconds"),
+    cwd: str | None = typer.Option(None),
+    user: str | None = typer.Option(None),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Run a command in an existing sandbox. Exits with the command's code."""
+    try:
+        rt = SandboxRuntime(reap=False)
+        cmd = command[0] if len(command) == 1 else command
+        res = rt.exec(sandbox_id, cmd, timeout=timeout, cwd=cwd, user=user)
+    except SandboxError as exc:
+        raise _fail(exc) from None
+    _print_result(res, as_json)
+    raise typer.Exit(res.exit_code)
+
+
+@app.command()
+def ps(as_json: bool = typer.Option(False, "--json")) -> None:
+    """List every sandbox on this node with its real state."""
+    rt = SandboxRuntime(reap=False)
+    rows = []
+    for sid in rt.list(all=True):
+        try:
+            st = rt.get_status(sid)
+            rec = rt.record(sid)
+        except SandboxError:
+            continue
+        rows.append({
+            "sandbox_id": sid, "state": st.state.value, "reason": st.reason,
+            "image": rec.image, "network": rec.config.get("network"),
+            "created_at": st.created_at.isoformat() if st.created_at else None,
+            "owner_pid": rec.owner_pid,
+        })
+    if as_json:
+        typer.echo(json.dumps(rows))
+        return
+    table = Table("ID", "STATE", "IMAGE", "NETWORK", "CREATED", "OWNER")
+    for r in rows:
+        state = r["state"] + (f" ({r['reason']})" if r["reason"] else "")
+        table.add_row(r["sandbox_id"][:12], state, r["image"], r["network"],
+                      r["created_at"] or "", str(r["owner_pid"] or "detached"))
+    Console().print(table)
+
+
+@app.command()
+def rm(sandbox_ids: list[str]) -> None:
+    """Delete sandboxes (idempotent)."""
+    rt = SandboxRuntime(reap=False)
+    code = 0
+    for sid in sandbox_ids:
+        try:
+            rt.delete(sid)
+            typer.echo(sid)
+        except SandboxError as exc:
+            err.print(f"[red]error:[/red] {exc}")
+            code = 2
+    raise typer.Exit(code)
+
+
+@app.command()
+def gc(as_json: bool = typer.Option(False, "--json")) -> None:
+    """Remove sandboxes whose owner died, expired ones, and orphaned runsc state."""
+    removed = SandboxRuntime(reap=False).gc()
+    if as_json:
+        typer.echo(json.dumps({"removed": removed}))
+    else:
+        for sid in removed:
+            typer.echo(sid)
+        err.print(f"removed {len(removed)} sandbox(es)")
+
+
+@app.command()
+def cp(src: str, dst: str) -> None:
+    """Copy files or directories between host and sandbox: ``ID:/path`` names a sandbox path."""
+    rt = SandboxRuntime(reap=False)
+
+    def split(s: str) -> tuple[str | None, str]:
+        head, sep, tail = s.partition(":")
+        if sep and len(head) == 32 and tail.startswith("/"):
+            return head, tail
+        return None, s
+
+    (s_id, s_path), (d_id, d_path) = split(src), split(dst)
+    try:
+        if s_id and not d_id:
+            if rt.stat(s_id, s_path).type.value == "directory":
+                rt.download_dir(s_id, s_path, Path(d_path))
+            else:
+                rt.download_file(s_id, s_path, Path(d_path))
+        elif d_id and not s_id:
+            if Path(s_path).is_dir():
+                rt.upload_dir(d_id, Path(s_path), d_path)
+            else:
+                rt.upload_file(d_id, Path(s_path), d_path)
+        else:
+            raise typer.BadParameter("exactly one side must be SANDBOX_ID:/path")
+    except SandboxError as exc:
+        raise _fail(exc) from None
+
+
+@app.command()
+def logs(sandbox_id: str) -> None:
+    """Print runsc's log for a sandbox (boot errors, panics)."""
+    rt = SandboxRuntime(reap=False)
+    rt.record(sandbox_id)
+    path = rt.sandboxes_dir / sandbox_id / "runsc.err"
+    typer.echo(path.read_text(errors="replace") if path.exists() else "")
