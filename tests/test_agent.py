@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ray_sandbox.runtime.agent import AgentClient, expected_version
+from ray_sandbox.runtime.agent import AgentClient, client, expected_version
 from ray_sandbox.runtime.errors import (
     ConfigError,
     ExecError,
@@ -165,6 +165,15 @@ def test_streaming_delivers_output_while_running_in_order(native_agent):
     chunks = [(i.stream, i.data) for i in items if isinstance(i, OutputChunk)]
     assert chunks == [("stdout", b"a\n"), ("stderr", b"b\n"), ("stdout", b"c\n")]
     assert isinstance(items[-1], ExecResult) and items[-1].exit_code == 0
+
+
+def test_slow_stream_consumer_is_not_a_hung_agent(native_agent, monkeypatch):
+    monkeypatch.setattr(client, "HUNG_MARGIN", 0.2)
+    stream = native_agent.client.exec_stream(["sh", "-c", "echo a; echo b"], timeout=1)
+    first = next(stream)
+    time.sleep(1.5)  # past the deadline, but the answer is already buffered
+    *chunks, result = [first, *stream]
+    assert b"".join(c.data for c in chunks) == b"a\nb\n" and result.exit_code == 0
 
 
 def test_closing_the_stream_early_kills_the_command(native_agent):

@@ -41,6 +41,15 @@ def test_exec_results_users_and_binary_output(busybox_box):
     ]
 
 
+def test_flood_is_capped_and_stdin_delivered_inside(busybox_box):
+    c = busybox_box.client
+    r = c.exec(["head", "-c", "50000000", "/dev/zero"], max_output_bytes=1 << 20, timeout=60)
+    assert r.exit_code == 0 and r.truncated and len(r.stdout_bytes) == 1 << 20
+    data = os.urandom(2 << 20)
+    r = c.exec(["sha256sum"], stdin=data, timeout=60)
+    assert r.stdout.split()[0] == hashlib.sha256(data).hexdigest()
+
+
 def test_timeout_kills_the_tree_inside(busybox_box):
     c = busybox_box.client
     script = (

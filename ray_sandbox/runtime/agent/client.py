@@ -73,12 +73,9 @@ class _Conn:
         return SandboxDiedError(f"agent connection lost: {why}", sandbox_id=self.sandbox_id)
 
     def _set_deadline(self, deadline: float | None) -> None:
-        if deadline is None:
-            self.sock.settimeout(None)
-            return
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError
+        # Past the deadline still take what is already buffered (a slow consumer of a
+        # stream is not a hung agent): a zero timeout makes the receive non-blocking.
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
         self.sock.settimeout(left)
 
     def send(self, data: bytes | bytearray | memoryview) -> None:
@@ -109,7 +106,7 @@ class _Conn:
         try:
             self._set_deadline(deadline)
             n = self.sock.recv_into(view)
-        except TimeoutError:
+        except (TimeoutError, BlockingIOError):
             raise self._died("the agent did not answer in time") from None
         except OSError as exc:
             raise self._died(str(exc)) from None
