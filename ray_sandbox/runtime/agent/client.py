@@ -404,7 +404,7 @@ class AgentClient:
         self, req: bytes, stdin: bytes, deadline_after: float | None
     ) -> Iterator[OutputChunk | ExecResult]:
         conn = self._checkout()
-        done = False
+        released = False
         writer = None
         try:
             deadline = time.monotonic() + deadline_after if deadline_after is not None else None
@@ -420,27 +420,25 @@ class AgentClient:
                     yield OutputChunk(stream="stdout", data=bytes(payload))
                 elif ftype == p.Reply.STDERR:
                     yield OutputChunk(stream="stderr", data=bytes(payload))
-                elif ftype == p.Reply.EXIT:
-                    ex = p.parse_exit(payload)
+                elif ftype in (p.Reply.EXIT, p.Reply.ERROR):
                     if writer:
                         writer.join()
-                    done = not ex.retire
-                    if ex.retire:
+                    ex = p.parse_exit(payload) if ftype == p.Reply.EXIT else None
+                    # Release before yielding the result: the consumer may stop right there.
+                    released = True
+                    if ex is not None and ex.retire:
                         conn.close()
+                    else:
+                        self._checkin(conn)
+                    if ex is None:
+                        code, message = p.parse_error(payload)
+                        raise ExecError(f"{message} (errno {code})", sandbox_id=self.sandbox_id)
                     yield _result(ex, b"", b"")
                     return
-                elif ftype == p.Reply.ERROR:
-                    code, message = p.parse_error(payload)
-                    if writer:
-                        writer.join()
-                    done = True
-                    raise ExecError(f"{message} (errno {code})", sandbox_id=self.sandbox_id)
                 elif ftype != p.Reply.STARTED:
                     raise self._unexpected(conn, ftype)
         finally:
-            if done:
-                self._checkin(conn)
-            else:
+            if not released:
                 conn.close()  # the agent kills the command tree when its client goes away
 
     def spawn(

@@ -190,10 +190,10 @@ static int open_pty(int *master, int *slave, const struct exec_req *r)
     struct winsize ws = {.ws_row = r->rows ? r->rows : 24, .ws_col = r->cols ? r->cols : 80};
     if (ioctl(*master, TIOCSWINSZ, &ws) == 0)
         return 0;
-    close(*slave);
+    close_fd(slave);
 fail:;
     int e = errno;
-    close(*master);
+    close_fd(master);
     errno = e;
     return -1;
 }
