@@ -172,6 +172,8 @@ def test_bad_input(runtime, sandbox):
     with pytest.raises(SandboxCreationError):
         runtime.create(image="ray-sandbox/busybox", spec_transform=lambda s: 1 / 0)
     assert set(runtime.sandboxes_dir.iterdir()) == before
+    digest = runtime.images.get("ray-sandbox/busybox").digest
+    assert runtime.images.pins(digest) <= set(runtime.list(all=True))  # no pin leaked
 
 
 def test_crashed_sandbox_gives_typed_error_not_hang(runtime):

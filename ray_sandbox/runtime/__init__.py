@@ -1,7 +1,15 @@
 """The Ray-free sandbox runtime: images, OCI bundles, runsc lifecycle, exec and files."""
 
 from .config import DOCKER_DEFAULT_CAPABILITIES, EgressPolicy, SandboxConfig, make_config
-from .images import ImageStore
+from .images import (
+    Image,
+    ImageBusyError,
+    ImageConfig,
+    ImageInUseError,
+    ImageStore,
+    PullPolicy,
+    parse_reference,
+)
 from .results import (
     ExecResult,
     FileInfo,
@@ -18,7 +26,13 @@ __all__ = [
     "ExecResult",
     "FileInfo",
     "FileType",
+    "Image",
+    "ImageBusyError",
+    "ImageConfig",
+    "ImageInUseError",
     "ImageStore",
+    "PullPolicy",
+    "parse_reference",
     "LimitNotEnforcedWarning",
     "OutputChunk",
     "SandboxConfig",

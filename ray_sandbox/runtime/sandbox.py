@@ -29,13 +29,14 @@ from .bundle import SandboxDir
 from .config import SandboxConfig, make_config
 from .errors import (
     ExecError,
+    ImageNotFoundError,
     SandboxCreationError,
     SandboxDiedError,
     SandboxError,
     SandboxNotFoundError,
     UnsafePathError,
 )
-from .images import ImageStore
+from .images import Image, ImageStore
 from .results import ExecResult, FileInfo, FileType, OutputChunk, SandboxState, SandboxStatus
 from .runsc import Runsc
 
@@ -192,14 +193,15 @@ class SandboxRuntime:
                 stacklevel=2,
             )
         agent = _agent_binary()
-        image = self.images.get(cfg.image)
         sandbox_id = uuid.uuid4().hex
+        image = self._get_pinned(cfg.image, sandbox_id)
         sdir = SandboxDir(self.sandboxes_dir / sandbox_id)
-        sdir.create()
         try:
+            sdir.create()
             rec = self._start(sandbox_id, sdir, cfg, image, agent, detach)
         except BaseException as exc:
             self._destroy(sandbox_id)
+            self.images.unpin(image.digest, sandbox_id)  # the record may not exist yet
             if isinstance(exc, SandboxCreationError):
                 raise
             if isinstance(exc, SandboxError):
@@ -218,12 +220,24 @@ class SandboxRuntime:
                 self._schedule_ttl(sandbox_id, rec.ttl_deadline)
         return sandbox_id
 
+    def _get_pinned(self, ref: str, sandbox_id: str) -> Image:
+        """The image, pinned for this sandbox (a concurrent remove between get and pin makes
+        the store fetch it again)."""
+        for attempt in range(3):
+            image = self.images.get(ref)
+            try:
+                self.images.pin(image.digest, sandbox_id)
+                return image
+            except ImageNotFoundError:
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
     def _start(
         self, sandbox_id: str, sdir: SandboxDir, cfg: SandboxConfig, image, agent: Path,
         detach: bool,
     ) -> SandboxRecord:
         network = _network()
-        self.images.pin(image.digest, sandbox_id)
         rootfs = sdir.root
         _mount.mount_overlay(Path(image.rootfs), sdir.upper, sdir.ovwork, rootfs,
                              sandbox_id=sandbox_id)
