@@ -15,6 +15,7 @@ from ray_sandbox.runtime.errors import (
     ConfigError,
     ExecError,
     SandboxDiedError,
+    SandboxError,
     SandboxStateError,
 )
 from ray_sandbox.runtime.results import ExecResult, OutputChunk
@@ -204,6 +205,35 @@ def test_spawn_signal_and_kill(native_agent):
     with pytest.raises(SandboxStateError):
         proc.write_stdin(b"x")
     proc.close()
+
+
+def test_kill_works_while_stdin_is_blocked(native_agent):
+    proc = native_agent.client.spawn(["sleep", "36.5"])  # never reads stdin
+    writer = threading.Thread(target=lambda: _ignore_errors(proc.write_stdin, b"x" * (8 << 20)))
+    writer.start()
+    time.sleep(0.3)  # let the pipe, the agent and the socket fill up
+    proc.kill()
+    result = proc.wait(timeout=10)
+    writer.join(timeout=10)
+    assert result is not None and result.exit_code == 137
+    assert not wait_gone(marked("sleep 36.5"))
+    proc.close()
+
+
+def _ignore_errors(fn, *args) -> None:
+    try:
+        fn(*args)
+    except SandboxError:
+        pass
+
+
+def test_pty_close_stdin_sends_eof(native_agent):
+    with native_agent.client.spawn(["cat"], pty=(24, 80)) as cat:
+        cat.write_stdin(b"line\n")
+        read_until(cat, b"line")
+        cat.close_stdin()
+        result = cat.wait(timeout=10)
+    assert result is not None and result.exit_code == 0
 
 
 def test_spawn_close_kills_the_tree(native_agent):

@@ -45,6 +45,7 @@ struct run {
     int status; /* valid once reaped */
     int reaped;
     int out_fd[2];  /* stdout, stderr (pty: master, -1) */
+    int out_eof[2]; /* kept open until the end: closing a pty master hangs up the terminal */
     int in_fd;      /* stdin pipe or pty master; -1 once closed */
     int in_nonblock;
     const unsigned char *in_data; /* DATA frame being written; points into the conn buffer */
@@ -342,6 +343,15 @@ static void kill_tree(struct run *run)
     reap(run);
 }
 
+static void close_streams(struct run *run)
+{
+    if (run->in_fd == run->out_fd[0]) /* pty: one fd for both directions */
+        run->in_fd = -1;
+    close_fd(&run->in_fd);
+    close_fd(&run->out_fd[0]);
+    close_fd(&run->out_fd[1]);
+}
+
 static void stdin_close(struct run *run, int pty)
 {
     if (pty) { /* a terminal has no EOF: send the EOF character, as a user would */
@@ -437,11 +447,11 @@ static void pump_output(struct conn *c, struct run *run, int stream, int64_t max
     if (n < 0 && (errno == EINTR || errno == EAGAIN))
         return;
     if (n <= 0) { /* EOF, or EIO from a pty whose last slave closed */
+        run->out_eof[stream] = 1;
         if (run->in_fd == run->out_fd[stream]) {
             run->in_fd = -1;
             run->in_left = 0;
         }
-        close_fd(&run->out_fd[stream]);
         return;
     }
     int64_t keep = n;
@@ -473,7 +483,8 @@ static int exec_loop(struct conn *c, struct run *run, const struct exec_req *r,
         }
         if (run->reaped && grace < 0)
             grace = now + GRACE_MS * 1000;
-        int outputs_open = run->out_fd[0] >= 0 || run->out_fd[1] >= 0;
+        int outputs_open = (run->out_fd[0] >= 0 && !run->out_eof[0])
+                           || (run->out_fd[1] >= 0 && !run->out_eof[1]);
         if (run->reaped && (!outputs_open || now >= grace))
             return 0;
 
@@ -483,7 +494,8 @@ static int exec_loop(struct conn *c, struct run *run, const struct exec_req *r,
                                 .events = (short)((run->in_left ? 0 : POLLIN)
                                                   | (c->out_len ? POLLOUT : 0))};
         for (int s = 0; s < 2; s++)
-            pf[1 + s] = (struct pollfd){.fd = room ? run->out_fd[s] : -1, .events = POLLIN};
+            pf[1 + s] = (struct pollfd){.fd = room && !run->out_eof[s] ? run->out_fd[s] : -1,
+                                        .events = POLLIN};
         pf[3] = (struct pollfd){.fd = run->in_left ? run->in_fd : -1, .events = POLLOUT};
         int64_t wait = -1;
         if (deadline >= 0 && !run->timed_out)
@@ -517,8 +529,7 @@ static int exec_loop(struct conn *c, struct run *run, const struct exec_req *r,
         if (pf[3].revents)
             stdin_pump(run, r->pty);
         for (int s = 0; s < 2; s++)
-            if (pf[1 + s].revents && run->out_fd[s] >= 0
-                && conn_out_room(c) >= FRAME_HDR + OUT_CHUNK)
+            if (pf[1 + s].revents && conn_out_room(c) >= FRAME_HDR + OUT_CHUNK)
                 pump_output(c, run, s, r->max_output);
     }
 }
@@ -598,10 +609,7 @@ int op_exec(struct conn *c, const struct frame *req)
     }
     int close_conn;
     if (run.pid <= 0 || fail.stage) {
-        close_fd(&run.out_fd[0]);
-        close_fd(&run.out_fd[1]);
-        if (!r.pty)
-            close_fd(&run.in_fd);
+        close_streams(&run);
         const char *what = run.pid <= 0 ? "start" : stage_name(fail.stage);
         const char *arg = fail.stage == 2 ? r.cwd : fail.stage == 1 ? r.user : r.argv[0];
         close_conn = send_error(c, e, "%s %s: %s", what, arg ? arg : "", strerror(e)) < 0
@@ -612,12 +620,10 @@ int op_exec(struct conn *c, const struct frame *req)
         out_end(c);
         if (exec_loop(c, &run, &r, &waitmask) < 0) {
             kill_tree(&run);
+            close_streams(&run);
             close_conn = 1;
         } else {
-            close_fd(&run.out_fd[0]);
-            close_fd(&run.out_fd[1]);
-            if (!r.pty)
-                close_fd(&run.in_fd);
+            close_streams(&run);
             /* Background descendants outlived the command: retire this handler so they
              * re-parent to init instead of being killed with the next command's tree. */
             pid_t left;
@@ -628,8 +634,6 @@ int op_exec(struct conn *c, const struct frame *req)
                          || (!run.seen_close && conn_skip_to_close(c));
         }
     }
-    if (r.pty)
-        close_fd(&run.out_fd[0]);
     free(r.arena);
     free(r.home_env);
     return close_conn;
