@@ -146,6 +146,19 @@ def test_huge_output_is_capped_flagged_and_drained(native_agent):
     assert int(r.stderr.split()[1]) < 16 * 1024  # kB
 
 
+def test_slow_consumer_backpressures_instead_of_buffering(native_agent):
+    script = "head -c 30000000 /dev/zero; grep VmHWM /proc/$PPID/status >&2"
+    total, err = 0, b""
+    for item in native_agent.client.exec_stream(["sh", "-c", script]):
+        if isinstance(item, OutputChunk) and item.stream == "stdout":
+            total += len(item.data)
+            time.sleep(0.0005)
+        elif isinstance(item, OutputChunk):
+            err += item.data
+    assert total == 30_000_000
+    assert int(err.split()[1]) < 16 * 1024  # kB: the handler queued ~1 MiB at most
+
+
 def test_background_setsid_grandchild_does_not_hang(native_agent):
     start = time.monotonic()
     r = native_agent.client.exec(["sh", "-c", "setsid sleep 32.5 & echo started"], timeout=20)
