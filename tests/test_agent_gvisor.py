@@ -75,7 +75,7 @@ def test_background_grandchild_reparents_to_init(busybox_box):
         time.sleep(0.05)
     assert ppid == "1"
     assert c.exec(["kill", "-9", pid]).ok
-    gone = f"i=0; while [ -e /proc/{pid} ]; do i=$((i+1)); [ $i -gt 100 ] && exit 1; sleep 0.05; done"
+    gone = f"i=0; while [ -e /proc/{pid} ]; do i=$((i+1)); [ $i -gt 99 ] && exit 1; sleep .05; done"
     assert c.exec(["sh", "-c", gone]).ok  # init reaped it: no zombie left
 
 
