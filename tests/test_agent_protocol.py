@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import tempfile
+import threading
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from ray_sandbox.runtime.agent import AgentClient
 from ray_sandbox.runtime.agent import protocol as p
 from ray_sandbox.runtime.agent.client import _exec_fields, _sandbox_path
-from ray_sandbox.runtime.errors import ConfigError, UnsafePathError
+from ray_sandbox.runtime.errors import ConfigError, SandboxError, UnsafePathError
 
 fields = st.lists(
     st.tuples(
@@ -111,6 +117,12 @@ def test_bad_exec_requests_are_config_errors(kwargs):
         _exec_fields(**args)
 
 
+def test_config_errors_carry_the_sandbox_id():
+    with pytest.raises(ConfigError) as info:
+        _exec_fields(["a\0"], None, None, None, None, None, None, "box1")
+    assert info.value.sandbox_id == "box1"
+
+
 def test_exec_request_encodes_every_field():
     raw = _exec_fields(["a", b"\xff"], ["K=V"], "/w", "u:g", 1.5, 10, (3, 4))
     length, ftype = p.HEADER.unpack_from(raw)
@@ -119,3 +131,37 @@ def test_exec_request_encodes_every_field():
     assert f[p.Tag.ARG] == [b"a", b"\xff"] and f[p.Tag.ENV] == [b"K=V"]
     assert p.decode_int(f[p.Tag.TIMEOUT_MS][0]) == 1500
     assert [p.decode_int(f[t][0]) for t in (p.Tag.PTY_ROWS, p.Tag.PTY_COLS)] == [3, 4]
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        p.frame(p.Reply.OK, b"\x27\x00\x00"),  # truncated field
+        p.HEADER.pack(p.FRAME_MAX + 1, p.Reply.OK),  # oversized frame
+        p.frame(p.Reply.STDOUT, b"x"),  # not an answer to ping
+        b"",  # hang-up
+    ],
+)
+def test_a_broken_or_fake_agent_gives_sandbox_errors(reply):
+    """User code can replace the socket with its own listener: replies are untrusted."""
+    with tempfile.TemporaryDirectory(prefix="rsbp") as d:
+        path = os.path.join(d, "agent.sock")
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(path)
+        server.listen(1)
+
+        def answer() -> None:
+            conn, _ = server.accept()
+            conn.recv(100)
+            conn.sendall(reply)
+            conn.close()
+
+        thread = threading.Thread(target=answer)
+        thread.start()
+        client = AgentClient(path, sandbox_id="fake")
+        with pytest.raises(SandboxError) as info:
+            client.ping(timeout=5)
+        thread.join()
+        server.close()
+        client.close()
+    assert info.value.sandbox_id == "fake"

@@ -15,9 +15,9 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
 from ..errors import (
     ConfigError,
@@ -44,6 +44,7 @@ UPLOAD_CHUNK = p.FRAME_MAX
 READ_CHUNK = 256 * 1024
 _STDIN_INLINE = 64 * 1024  # stdin up to this rides with the request; more goes from a thread
 
+T = TypeVar("T")
 PathArg = str | bytes | os.PathLike
 StrOrBytes = str | bytes
 
@@ -143,6 +144,16 @@ class _Conn:
             raise SandboxError(f"agent sent a {length}-byte frame", sandbox_id=self.sandbox_id)
         return ftype, self._read_exact(length, deadline)
 
+    def decode(self, parse: Callable[[bytes], T], payload: bytes) -> T:
+        """Parses a payload; a malformed one means the peer is broken: drop it."""
+        try:
+            return parse(payload)
+        except p.ProtocolError as exc:
+            self.close()
+            raise SandboxError(
+                f"agent sent a malformed frame: {exc}", sandbox_id=self.sandbox_id
+            ) from None
+
     def has_input(self) -> bool:
         """True if the peer sent something (even EOF) not yet read."""
         if self._pos < len(self._buf):
@@ -164,10 +175,10 @@ class _Conn:
             pass
 
 
-def _bytes_arg(value: StrOrBytes | os.PathLike, what: str) -> bytes:
+def _bytes_arg(value: StrOrBytes | os.PathLike, what: str, sandbox_id: str | None) -> bytes:
     raw = os.fsencode(value)
     if b"\0" in raw:
-        raise ConfigError(f"{what} contains a NUL byte: {value!r}")
+        raise ConfigError(f"{what} contains a NUL byte: {value!r}", sandbox_id=sandbox_id)
     return raw
 
 
@@ -192,37 +203,41 @@ def _exec_fields(
     timeout: float | None,
     max_output_bytes: int | None,
     pty: tuple[int, int] | None,
+    sandbox_id: str | None = None,
 ) -> bytes:
+    def bad(message: str) -> ConfigError:
+        return ConfigError(message, sandbox_id=sandbox_id)
+
     if isinstance(argv, str | bytes) or not argv:
-        raise ConfigError(f"argv must be a non-empty list, got {argv!r}")
-    fields: list[p.Field] = [(p.Tag.ARG, _bytes_arg(a, "argument")) for a in argv]
+        raise bad(f"argv must be a non-empty list, got {argv!r}")
+    fields: list[p.Field] = [(p.Tag.ARG, _bytes_arg(a, "argument", sandbox_id)) for a in argv]
     if env is not None:
         fields.append((p.Tag.ENV_SET, 1))
         for item in env:
-            raw = _bytes_arg(item, "environment entry")
+            raw = _bytes_arg(item, "environment entry", sandbox_id)
             if b"=" not in raw[1:]:
-                raise ConfigError(f"environment entry must be KEY=VALUE: {item!r}")
+                raise bad(f"environment entry must be KEY=VALUE: {item!r}")
             fields.append((p.Tag.ENV, raw))
     if cwd is not None:
-        fields.append((p.Tag.CWD, _bytes_arg(cwd, "cwd")))
+        fields.append((p.Tag.CWD, _bytes_arg(cwd, "cwd", sandbox_id)))
     if user:
-        fields.append((p.Tag.USER, _bytes_arg(user, "user")))
+        fields.append((p.Tag.USER, _bytes_arg(user, "user", sandbox_id)))
     if timeout is not None:
         if not timeout > 0:
-            raise ConfigError(f"timeout must be positive, got {timeout!r}")
+            raise bad(f"timeout must be positive, got {timeout!r}")
         fields.append((p.Tag.TIMEOUT_MS, math.ceil(timeout * 1000)))
     if max_output_bytes is not None:
         if max_output_bytes < 0:
-            raise ConfigError(f"max_output_bytes must be >= 0, got {max_output_bytes}")
+            raise bad(f"max_output_bytes must be >= 0, got {max_output_bytes}")
         fields.append((p.Tag.MAX_OUTPUT, max_output_bytes))
     if pty is not None:
         rows, cols = pty
         if not (0 < rows < 65536 and 0 < cols < 65536):
-            raise ConfigError(f"pty size must be (rows, cols) in 1..65535, got {pty!r}")
+            raise bad(f"pty size must be (rows, cols) in 1..65535, got {pty!r}")
         fields += [(p.Tag.PTY_ROWS, rows), (p.Tag.PTY_COLS, cols)]
     payload = p.encode_fields(fields)
     if len(payload) > p.FRAME_MAX:
-        raise ConfigError(f"argv and env take {len(payload)} bytes, more than {p.FRAME_MAX}")
+        raise bad(f"argv and env take {len(payload)} bytes, more than {p.FRAME_MAX}")
     return p.frame(p.Op.EXEC, payload)
 
 
@@ -294,7 +309,8 @@ class AgentClient:
                 raise SandboxStateError("agent client is closed", sandbox_id=self.sandbox_id)
             while self._idle:
                 conn = self._idle.pop()
-                if not conn.has_input():  # else the handler died (EOF) or is out of step
+                # Else the handler died (EOF pending) or the connection is out of step.
+                if not conn.closed and not conn.has_input():
                     return conn
                 conn.close()
         return self._connect()
@@ -326,11 +342,15 @@ class AgentClient:
             f"agent sent unexpected frame 0x{ftype:02x}", sandbox_id=self.sandbox_id
         )
 
-    def _file_error(self, payload: bytes) -> SandboxFileError:
-        code, message = p.parse_error(payload)
+    def _file_error(self, conn: _Conn, payload: bytes) -> SandboxFileError:
+        code, message = conn.decode(p.parse_error, payload)
         exc = _FILE_ERRORS.get(code, SandboxFileError)(message, sandbox_id=self.sandbox_id)
         exc.errno = code
         return exc
+
+    def _exec_error(self, conn: _Conn, payload: bytes) -> ExecError:
+        code, message = conn.decode(p.parse_error, payload)
+        return ExecError(f"{message} (errno {code})", sandbox_id=self.sandbox_id)
 
     # -- ping ---------------------------------------------------------------------------
 
@@ -341,8 +361,9 @@ class AgentClient:
         ftype, payload = conn.read_frame(time.monotonic() + timeout)
         if ftype != p.Reply.OK:
             raise self._unexpected(conn, ftype)
+        version = conn.decode(p.parse_version, payload)
         self._checkin(conn)
-        return p.parse_version(payload)
+        return version
 
     def wait_ready(self, timeout: float) -> str:
         """Pings until the agent answers (it may still be starting); returns its version."""
@@ -396,7 +417,7 @@ class AgentClient:
         """Yields output chunks as they arrive, then the :class:`ExecResult` (whose byte
         fields are empty: the output was streamed). ``max_output_bytes=None`` is unlimited.
         Closing the iterator early kills the command."""
-        req = _exec_fields(argv, env, cwd, user, timeout, max_output_bytes, None)
+        req = _exec_fields(argv, env, cwd, user, timeout, max_output_bytes, None, self.sandbox_id)
         deadline_after = timeout + HUNG_MARGIN if timeout is not None else None
         return self._exec_frames(req, stdin or b"", deadline_after)
 
@@ -423,7 +444,7 @@ class AgentClient:
                 elif ftype in (p.Reply.EXIT, p.Reply.ERROR):
                     if writer:
                         writer.join()
-                    ex = p.parse_exit(payload) if ftype == p.Reply.EXIT else None
+                    ex = conn.decode(p.parse_exit, payload) if ftype == p.Reply.EXIT else None
                     # Release before yielding the result: the consumer may stop right there.
                     released = True
                     if ex is not None and ex.retire:
@@ -431,8 +452,7 @@ class AgentClient:
                     else:
                         self._checkin(conn)
                     if ex is None:
-                        code, message = p.parse_error(payload)
-                        raise ExecError(f"{message} (errno {code})", sandbox_id=self.sandbox_id)
+                        raise self._exec_error(conn, payload)
                     yield _result(ex, b"", b"")
                     return
                 elif ftype != p.Reply.STARTED:
@@ -452,17 +472,17 @@ class AgentClient:
         max_buffer_bytes: int = DEFAULT_MAX_OUTPUT,
     ) -> AgentProcess:
         """Starts a long-lived process on a dedicated connection (see :class:`AgentProcess`)."""
-        req = _exec_fields(argv, env, cwd, user, None, None, pty)
+        req = _exec_fields(argv, env, cwd, user, None, None, pty, self.sandbox_id)
         conn = self._connect()
         conn.send(req)
         ftype, payload = conn.read_frame(None)
         if ftype == p.Reply.ERROR:
             conn.close()
-            code, message = p.parse_error(payload)
-            raise ExecError(f"{message} (errno {code})", sandbox_id=self.sandbox_id)
+            raise self._exec_error(conn, payload)
         if ftype != p.Reply.STARTED:
             raise self._unexpected(conn, ftype)
-        return AgentProcess(conn, p.parse_pid(payload), pty is not None, max_buffer_bytes)
+        pid = conn.decode(p.parse_pid, payload)
+        return AgentProcess(conn, pid, pty is not None, max_buffer_bytes)
 
     # -- files --------------------------------------------------------------------------
 
@@ -471,8 +491,9 @@ class AgentClient:
         conn.send(p.request(op, fields))
         ftype, payload = conn.read_frame(None)
         if ftype == p.Reply.ERROR:
+            exc = self._file_error(conn, payload)
             self._checkin(conn)
-            raise self._file_error(payload)
+            raise exc
         if ftype != p.Reply.OK:
             raise self._unexpected(conn, ftype)
         self._checkin(conn)
@@ -485,13 +506,13 @@ class AgentClient:
             while True:
                 ftype, payload = conn.read_frame(None)
                 if ftype == p.Reply.ENTRY:
-                    yield p.parse_entry(payload)
+                    yield conn.decode(p.parse_entry, payload)
                 elif ftype == p.Reply.OK:
                     done = True
                     return
                 elif ftype == p.Reply.ERROR:
                     done = True
-                    raise self._file_error(payload)
+                    raise self._file_error(conn, payload)
                 else:
                     raise self._unexpected(conn, ftype)
         finally:
@@ -536,7 +557,7 @@ class AgentClient:
                     return
                 elif ftype == p.Reply.ERROR:
                     done = True
-                    raise self._file_error(payload)
+                    raise self._file_error(conn, payload)
                 else:
                     raise self._unexpected(conn, ftype)
         finally:
@@ -574,7 +595,7 @@ class AgentClient:
             ftype, payload = conn.read_frame(None)
             done = ftype in (p.Reply.OK, p.Reply.ERROR)
             if ftype == p.Reply.ERROR:
-                raise self._file_error(payload)
+                raise self._file_error(conn, payload)
             if ftype != p.Reply.OK:
                 raise self._unexpected(conn, ftype)
         finally:
@@ -588,12 +609,15 @@ class AgentClient:
         conn = self._checkout()
         conn.send(p.request(p.Op.STAT, [(p.Tag.PATH, raw), (p.Tag.FOLLOW, int(follow_symlinks))]))
         ftype, payload = conn.read_frame(None)
-        if ftype not in (p.Reply.ENTRY, p.Reply.ERROR):
-            raise self._unexpected(conn, ftype)
-        self._checkin(conn)
         if ftype == p.Reply.ERROR:
-            raise self._file_error(payload)
-        return _to_info(p.parse_entry(payload), raw)
+            exc = self._file_error(conn, payload)
+            self._checkin(conn)
+            raise exc
+        if ftype != p.Reply.ENTRY:
+            raise self._unexpected(conn, ftype)
+        entry = conn.decode(p.parse_entry, payload)
+        self._checkin(conn)
+        return _to_info(entry, raw)
 
     def exists(self, path: PathArg) -> bool:
         try:
@@ -633,7 +657,7 @@ class AgentClient:
     def symlink(self, target: StrOrBytes, path: PathArg) -> None:
         """Creates ``path`` pointing at ``target`` (stored verbatim, may be relative)."""
         raw = _sandbox_path(path, self.sandbox_id)
-        tgt = _bytes_arg(target, "symlink target")
+        tgt = _bytes_arg(target, "symlink target", self.sandbox_id)
         self._simple(p.Op.SYMLINK, [(p.Tag.PATH, raw), (p.Tag.PATH2, tgt)])
 
     def chmod(self, path: PathArg, mode: int) -> None:
@@ -709,7 +733,7 @@ class AgentProcess:
                             self._dropped = True
                         buf += payload[: max(room, 0)]
                     elif ftype == p.Reply.EXIT:
-                        self._exit = p.parse_exit(payload)
+                        self._exit = self._conn.decode(p.parse_exit, payload)
                         return
                     else:
                         raise SandboxError(f"agent sent unexpected frame 0x{ftype:02x}",
