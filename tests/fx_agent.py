@@ -23,10 +23,17 @@ from pathlib import Path
 import pytest
 
 from ray_sandbox.runtime import _proc
-from ray_sandbox.runtime.agent import INIT_ARGS, SANDBOX_BIN_DIR, SANDBOX_RUN_DIR, AgentClient
+from ray_sandbox.runtime.agent import (
+    INIT_ARGS,
+    SANDBOX_BIN_DIR,
+    SANDBOX_RUN_DIR,
+    SOURCE_DIR,
+    AgentClient,
+    binary_path,
+)
 from ray_sandbox.runtime.config import DOCKER_DEFAULT_CAPABILITIES
 
-AGENT_DIR = Path(__file__).resolve().parents[1] / "ray_sandbox" / "runtime" / "agent"
+AGENT_DIR = SOURCE_DIR
 PASSWD = (
     "root:x:0:0:root:/root:/bin/sh\n"
     "tester:x:1000:1000:tester:/home/tester:/bin/sh\n"
@@ -81,7 +88,7 @@ def wait_gone(pids: list[int], timeout: float = 5.0) -> list[int]:
 @pytest.fixture(scope="session")
 def agent_binary() -> Path:
     _proc.run(["make", "-s", "-C", AGENT_DIR], timeout=180)
-    return AGENT_DIR / "rsb-agent"
+    return binary_path()
 
 
 @dataclass

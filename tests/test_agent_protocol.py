@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import tempfile
 import threading
+import time
 
 import pytest
 from hypothesis import given
@@ -13,8 +15,8 @@ from hypothesis import strategies as st
 
 from ray_sandbox.runtime.agent import AgentClient
 from ray_sandbox.runtime.agent import protocol as p
-from ray_sandbox.runtime.agent.client import _exec_fields, _sandbox_path
-from ray_sandbox.runtime.errors import ConfigError, SandboxError, UnsafePathError
+from ray_sandbox.runtime.agent.client import _Conn, _exec_fields, _sandbox_path
+from ray_sandbox.runtime.errors import ConfigError, SandboxDiedError, SandboxError, UnsafePathError
 
 fields = st.lists(
     st.tuples(
@@ -34,20 +36,33 @@ def test_fields_roundtrip(items):
     assert all(not left for left in decoded.values())
 
 
-@given(st.lists(st.tuples(st.integers(0, 255), st.binary(max_size=300)), max_size=10), st.data())
-def test_frame_parser_handles_any_split(frames, data):
+def test_reader_reassembles_frames_from_any_split():
+    """The client's buffered reader, fed through a socket in random pieces."""
+    rng = random.Random(7)
+    sizes = [0, 1, 5, 4096, 65535, 65537, 300_000, p.FRAME_MAX]
+    frames = [(rng.randrange(256), rng.randbytes(n)) for n in sizes]
     stream = b"".join(p.frame(t, payload) for t, payload in frames)
-    cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=8)))
-    parser, got, last = p.FrameParser(), [], 0
-    for cut in [*cuts, len(stream)]:
-        got += parser.feed(stream[last:cut])
-        last = cut
-    assert got == frames
+    ours, theirs = socket.socketpair()
+
+    def feed() -> None:
+        pos = 0
+        while pos < len(stream):
+            step = rng.choice([1, 3, 5, 100, 4096, 70000])
+            theirs.sendall(stream[pos : pos + step])
+            pos += step
+
+    sender = threading.Thread(target=feed)
+    sender.start()
+    conn = _Conn(ours, "x")
+    got = [conn.read_frame(time.monotonic() + 30) for _ in frames]
+    sender.join()
+    assert [(t, bytes(payload)) for t, payload in got] == frames
+    theirs.close()
+    with pytest.raises(SandboxDiedError):
+        conn.read_frame(None)
 
 
-def test_oversized_and_truncated_input_is_rejected():
-    with pytest.raises(p.ProtocolError):
-        p.FrameParser().feed(p.HEADER.pack(p.FRAME_MAX + 1, p.Reply.OK))
+def test_truncated_input_is_rejected():
     with pytest.raises(p.ProtocolError):
         p.decode_fields(p.encode_fields([(1, b"abc")])[:-1])
     with pytest.raises(p.ProtocolError):

@@ -161,29 +161,6 @@ def data_frames(data: bytes | bytearray | memoryview, chunk: int = FRAME_MAX) ->
 CLOSE_FRAME = frame(Stream.CLOSE)
 
 
-class FrameParser:
-    """Splits a byte stream into ``(type, payload)`` frames."""
-
-    def __init__(self) -> None:
-        self._buf = bytearray()
-
-    def feed(self, data: bytes) -> list[tuple[int, bytes]]:
-        self._buf += data
-        frames = []
-        pos = 0
-        while len(self._buf) - pos >= HEADER.size:
-            length, ftype = HEADER.unpack_from(self._buf, pos)
-            if length > FRAME_MAX:
-                raise ProtocolError(f"frame of {length} bytes exceeds {FRAME_MAX}")
-            end = pos + HEADER.size + length
-            if len(self._buf) < end:
-                break
-            frames.append((ftype, bytes(self._buf[pos + HEADER.size : end])))
-            pos = end
-        del self._buf[:pos]
-        return frames
-
-
 def _one(fields: dict[int, list[bytes]], tag: Tag, default: bytes | None = None) -> bytes:
     values = fields.get(tag)
     if not values:
