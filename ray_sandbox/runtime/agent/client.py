@@ -43,6 +43,13 @@ PING_TIMEOUT = 5.0
 UPLOAD_CHUNK = p.FRAME_MAX
 READ_CHUNK = 256 * 1024
 _STDIN_INLINE = 64 * 1024  # stdin up to this rides with the request; more goes from a thread
+# A file/control reply may take this long per frame. Code in the sandbox can SIGSTOP the
+# agent's handlers (PID 1 is not protected from signals in gVisor): never wait forever.
+IDLE_TIMEOUT = 60.0
+
+
+def _idle_deadline() -> float:
+    return time.monotonic() + IDLE_TIMEOUT
 
 T = TypeVar("T")
 PathArg = str | bytes | os.PathLike
@@ -475,7 +482,7 @@ class AgentClient:
         req = _exec_fields(argv, env, cwd, user, None, None, pty, self.sandbox_id)
         conn = self._connect()
         conn.send(req)
-        ftype, payload = conn.read_frame(None)
+        ftype, payload = conn.read_frame(_idle_deadline())
         if ftype == p.Reply.ERROR:
             conn.close()
             raise self._exec_error(conn, payload)
@@ -489,7 +496,7 @@ class AgentClient:
     def _simple(self, op: p.Op, fields: list[p.Field]) -> None:
         conn = self._checkout()
         conn.send(p.request(op, fields))
-        ftype, payload = conn.read_frame(None)
+        ftype, payload = conn.read_frame(_idle_deadline())
         if ftype == p.Reply.ERROR:
             exc = self._file_error(conn, payload)
             self._checkin(conn)
@@ -504,7 +511,7 @@ class AgentClient:
         try:
             conn.send(p.request(op, [(p.Tag.PATH, path)]))
             while True:
-                ftype, payload = conn.read_frame(None)
+                ftype, payload = conn.read_frame(_idle_deadline())
                 if ftype == p.Reply.ENTRY:
                     yield conn.decode(p.parse_entry, payload)
                 elif ftype == p.Reply.OK:
@@ -549,7 +556,7 @@ class AgentClient:
         try:
             conn.send(req)
             while True:
-                ftype, payload = conn.read_frame(None)
+                ftype, payload = conn.read_frame(_idle_deadline())
                 if ftype == p.Stream.DATA:
                     yield payload  # type: ignore[misc]  # bytes or bytearray
                 elif ftype == p.Reply.OK:
@@ -592,7 +599,7 @@ class AgentClient:
                     break
                 conn.send_frame(p.Stream.DATA, chunk)
             conn.send(p.CLOSE_FRAME)
-            ftype, payload = conn.read_frame(None)
+            ftype, payload = conn.read_frame(_idle_deadline())
             done = ftype in (p.Reply.OK, p.Reply.ERROR)
             if ftype == p.Reply.ERROR:
                 raise self._file_error(conn, payload)
@@ -608,7 +615,7 @@ class AgentClient:
         raw = _sandbox_path(path, self.sandbox_id)
         conn = self._checkout()
         conn.send(p.request(p.Op.STAT, [(p.Tag.PATH, raw), (p.Tag.FOLLOW, int(follow_symlinks))]))
-        ftype, payload = conn.read_frame(None)
+        ftype, payload = conn.read_frame(_idle_deadline())
         if ftype == p.Reply.ERROR:
             exc = self._file_error(conn, payload)
             self._checkin(conn)

@@ -1,0 +1,105 @@
+"""The Ray layer's overhead and density, side by side with SandboxRuntime in the same run.
+
+    .venv/bin/python -m benchmarks.bench_ray [--quick] [--idle 300]
+
+Rows: create()→first exec via Ray vs SandboxRuntime.create + exec on the same warm node;
+``ray.get(sb.exec.remote("true"))`` vs runtime exec; then ``--idle`` idle busybox sandboxes
+created through ``create()`` on this one node (count alive, RAM per sandbox, create rate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import ray
+
+import ray_sandbox as sandbox
+from benchmarks._harness import emit, measure, summarize
+from ray_sandbox.runtime import SandboxRuntime
+
+
+def _mem_available_kib() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1])
+    raise RuntimeError("no MemAvailable")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--idle", type=int, default=300)
+    args = ap.parse_args()
+    n = 8 if args.quick else 20
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="rsb-bench-ray-") as tmp:
+        import os
+
+        os.environ["RAY_SANDBOX_HOME"] = str(Path(tmp) / "home")
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        try:
+            # Warm the node: host actor up, image unpacked.
+            warm = sandbox.create(image="ray-sandbox/busybox", cpu=0.01, memory="48Mi")
+            ray.get(warm.exec.remote("true"))
+
+            def ray_create_exec() -> None:
+                sb = sandbox.create(image="ray-sandbox/busybox", cpu=0.01, memory="48Mi")
+                ray.get(sb.exec.remote(["/bin/true"]))
+                ray.get(sb.terminate.remote())
+
+            rt = SandboxRuntime(Path(tmp) / "rt")
+
+            def rt_create_exec() -> None:
+                sid = rt.create(image="ray-sandbox/busybox", cpu=0.01, memory="48Mi")
+                rt.exec(sid, ["/bin/true"])
+                rt.delete(sid)
+
+            rows.append(measure("create→first exec→delete (ray create())", ray_create_exec, n))
+            rows.append(measure("create→first exec→delete (SandboxRuntime)", rt_create_exec, n))
+            sid = rt.create(image="ray-sandbox/busybox", cpu=0.5, memory="64Mi")
+            rows.append(measure("exec true (ray.get(sb.exec.remote))",
+                                lambda: ray.get(warm.exec.remote(["/bin/true"])), n * 10))
+            rows.append(measure("exec true (SandboxRuntime.exec)",
+                                lambda: rt.exec(sid, ["/bin/true"]), n * 10))
+            rt.delete(sid)
+            rt.close()
+            ray.get(warm.terminate.remote())
+
+            before = _mem_available_kib()
+            t0 = time.perf_counter()
+            lat: list[float] = []
+
+            def one(_: int):
+                s = time.perf_counter()
+                # cgroups cannot go below 0.01 cores; Ray may reserve less for idle ones.
+                sb = sandbox.create(image="ray-sandbox/busybox", cpu=0.01, memory="40Mi",
+                                    resources={"CPU": 0.005})
+                lat.append((time.perf_counter() - s) * 1000)
+                return sb
+
+            with ThreadPoolExecutor(8) as ex:
+                handles = list(ex.map(one, range(args.idle)))
+            wall = time.perf_counter() - t0
+            time.sleep(5)  # let the idle sandboxes settle before reading memory
+            alive = sum(
+                r.exit_code == 0
+                for r in ray.get([h.exec.remote(["/bin/true"]) for h in handles])
+            )
+            used_mib = (before - _mem_available_kib()) / 1024
+            rows.append(summarize(f"create() of {args.idle} idle sandboxes, 8 in flight", lat,
+                                  alive=alive, per_s=round(args.idle / wall, 1),
+                                  ram_per_sandbox_mib=round(used_mib / max(alive, 1), 1)))
+            with ThreadPoolExecutor(8) as ex:
+                list(ex.map(lambda h: ray.get(h.terminate.remote()), handles))
+        finally:
+            sandbox.shutdown()
+            ray.shutdown()
+    emit("ray", rows)
+
+
+if __name__ == "__main__":
+    main()
