@@ -29,6 +29,33 @@ def _mem_available_kib() -> int:
     raise RuntimeError("no MemAvailable")
 
 
+@ray.remote(num_cpus=0.01)
+class _Probe:
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+
+def _actor_per_sandbox_cost(n: int) -> dict:
+    """The rejected design: one Ray actor (a worker process) per sandbox. Time to a first call
+    and the RSS of each such worker, measured on this node."""
+    import psutil
+
+    lat, rss, actors = [], [], []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        a = _Probe.remote()
+        pid = ray.get(a.pid.remote())
+        lat.append((time.perf_counter() - t0) * 1000)
+        rss.append(psutil.Process(pid).memory_info().rss / 2**20)
+        actors.append(a)
+    for a in actors:
+        ray.kill(a)
+    return summarize("actor per sandbox: new worker to first call (no sandbox)", lat,
+                     worker_rss_mib=round(sorted(rss)[len(rss) // 2], 1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -58,6 +85,7 @@ def main() -> None:
                 rt.exec(sid, ["/bin/true"])
                 rt.delete(sid)
 
+            rows.append(_actor_per_sandbox_cost(n))
             rows.append(measure("create→first exec→delete (ray create())", ray_create_exec, n))
             rows.append(measure("create→first exec→delete (SandboxRuntime)", rt_create_exec, n))
             sid = rt.create(image="ray-sandbox/busybox", cpu=0.5, memory="64Mi")
