@@ -8,14 +8,20 @@ bookkeeping, and a reaper can clean up after a creator that died.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
+import json
 import os
 import re
+import shutil
+import socket
 import threading
 import time
 import uuid
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -28,21 +34,38 @@ from .agent.pyrepl import PythonContext, PythonResult
 from .bundle import SandboxDir
 from .config import SandboxConfig, make_config
 from .errors import (
+    CommandError,
+    ConfigError,
     ExecError,
+    ImageError,
     ImageNotFoundError,
     SandboxCreationError,
     SandboxDiedError,
     SandboxError,
     SandboxNotFoundError,
+    SandboxStateError,
+    ToolMissingError,
     UnsafePathError,
 )
 from .images import Image, ImageStore
 from .results import ExecResult, FileInfo, FileType, OutputChunk, SandboxState, SandboxStatus
-from .runsc import Runsc
+from .runsc import TARGET_VERSION, Runsc
+from .snapshot import (
+    Snapshot,
+    SnapshotCorruptError,
+    SnapshotDir,
+    SnapshotNotFoundError,
+    copy_tree,
+    rewrite_paths,
+)
+from .spec import Spec
 
 _ID_RE = re.compile(r"^[0-9a-f]{32}$")
 _READY_TIMEOUT = 20.0
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
+HOLD_FILE = "checkpoint.hold"  # the agent's HOLD_NAME (agent.c)
+_CHECKPOINT_RETRY_S = 3.0
+_RESTORE_PARALLEL = 8  # concurrent restores; two cores saturate well before this
 
 
 class LimitNotEnforcedWarning(UserWarning):
@@ -71,7 +94,7 @@ class SandboxRecord(BaseModel):
     overlay: str = "none"
     platform: str = "ptrace"
     rootless: bool = False
-    phase: str = "creating"  # creating | created
+    phase: str = "creating"  # creating | created | paused
     endpoints: dict[int, tuple[str, int]] = Field(default_factory=dict)
 
     @property
@@ -114,6 +137,21 @@ def _network():
     return network
 
 
+def _localize_spec(spec: dict[str, Any], sandbox_id: str, netns: str | None) -> dict[str, Any]:
+    """A restored copy's spec: its own id annotation and network namespace, and this node's
+    agent directory."""
+    spec.setdefault("annotations", {})["dev.ray-sandbox.id"] = sandbox_id
+    for ns in spec.get("linux", {}).get("namespaces", []):
+        if ns.get("type") == "network":
+            ns.pop("path", None)
+            if netns:
+                ns["path"] = netns
+    for m in spec.get("mounts", []):
+        if m.get("destination") == bundle.AGENT_DIR:
+            m["source"] = str(_agent_binary().parent)
+    return spec
+
+
 def _cgroup_dirs(sandbox_id: str) -> list[Path]:
     if not _CGROUP_ROOT.is_dir():
         return []
@@ -154,6 +192,8 @@ class SandboxRuntime:
         self.home = Path(home) if home is not None else paths.home()
         self.sandboxes_dir = self.home / "sandboxes"
         self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
+        self.snapshots_dir = self.home / "snapshots"
+        self.snapshots_dir.mkdir(parents=True, exist_ok=True)
         self.images = images or ImageStore(paths.images(self.home))
         self.runsc = Runsc(self.home / "runsc")
         self.runsc.root.mkdir(parents=True, exist_ok=True)
@@ -237,22 +277,13 @@ class SandboxRuntime:
         self, sandbox_id: str, sdir: SandboxDir, cfg: SandboxConfig, image, agent: Path,
         detach: bool,
     ) -> SandboxRecord:
-        network = _network()
-        rootfs = sdir.root
-        _mount.mount_overlay(Path(image.rootfs), sdir.upper, sdir.ovwork, rootfs,
-                             sandbox_id=sandbox_id)
-        attachment = network.attach(sandbox_id, cfg, sdir.path)
+        attachment, overlay = self._prepare(sandbox_id, sdir, cfg, image)
         if cfg.readonly and cfg.workdir:
             bundle.seed_workdir(Path(image.rootfs), cfg.workdir, sdir.work)
-        overlay = "none"
-        if not cfg.readonly:
-            sdir.overlay.mkdir()
-            overlay = f"root:dir={sdir.overlay}"
-
         spec = bundle.build_spec(
             sandbox_id=sandbox_id,
             config=cfg,
-            rootfs=rootfs,
+            rootfs=sdir.root,
             image_env=list(image.config.env),
             sdir=sdir,
             agent_dir=agent.parent,
@@ -268,28 +299,9 @@ class SandboxRuntime:
             sdir, spec, hostname=hostname, resolv_conf=attachment.resolv_conf,
             hosts=attachment.hosts,
         )
-        now = time.time()
-        rec = SandboxRecord(
-            sandbox_id=sandbox_id,
-            config=cfg.model_dump(mode="json"),
-            image=cfg.image,
-            image_digest=image.digest,
-            rootfs=str(rootfs),
-            image_rootfs=str(image.rootfs),
-            image_env=list(image.config.env),
-            image_user=image.config.user or None,
-            image_workdir=image.config.working_dir or None,
-            created_at=now,
-            ttl_deadline=now + cfg.ttl_seconds if cfg.ttl_seconds else None,
-            owner_pid=None if detach else os.getpid(),
-            owner_start=None if detach else _process_start(os.getpid()),
-            network=attachment.runsc_network,
-            overlay=overlay,
-            platform=cfg.platform,
-            rootless=cfg.effective_rootless,
-            endpoints=attachment.endpoints,
-        )
-        self._write_record(sdir, rec)
+        rec = self._new_record(sandbox_id, sdir, cfg, image, attachment, overlay, detach,
+                               image_user=image.config.user or None,
+                               image_workdir=image.config.working_dir or None)
         self.runsc.run_detached(
             sandbox_id,
             sdir.bundle,
@@ -306,6 +318,52 @@ class SandboxRuntime:
             # the agent, inside the sandbox, so image symlinks cannot point it at the host.
             self._clients[sandbox_id].mkdir(cfg.workdir, parents=True)
         rec = rec.model_copy(update={"phase": "created"})
+        self._write_record(sdir, rec)
+        return rec
+
+    def _prepare(
+        self, sandbox_id: str, sdir: SandboxDir, cfg: SandboxConfig, image,
+        upper: Path | None = None,
+    ) -> tuple[Any, str]:
+        """Root overlay (upper layer copied from ``upper`` if given), network, gVisor overlay
+        dir; returns the network attachment and the ``--overlay2`` value."""
+        if upper is not None:
+            copy_tree(upper, sdir.upper)
+        _mount.mount_overlay(Path(image.rootfs), sdir.upper, sdir.ovwork, sdir.root,
+                             sandbox_id=sandbox_id)
+        attachment = _network().attach(sandbox_id, cfg, sdir.path)
+        overlay = "none"
+        if not cfg.readonly:
+            sdir.overlay.mkdir()
+            overlay = f"root:dir={sdir.overlay}"
+        return attachment, overlay
+
+    def _new_record(
+        self, sandbox_id: str, sdir: SandboxDir, cfg: SandboxConfig, image, attachment: Any,
+        overlay: str, detach: bool, *, image_user: str | None, image_workdir: str | None,
+    ) -> SandboxRecord:
+        """The record of a sandbox about to start, written before runsc runs."""
+        now = time.time()
+        rec = SandboxRecord(
+            sandbox_id=sandbox_id,
+            config=cfg.model_dump(mode="json"),
+            image=cfg.image,
+            image_digest=image.digest,
+            rootfs=str(sdir.root),
+            image_rootfs=str(image.rootfs),
+            image_env=list(image.config.env),
+            image_user=image_user,
+            image_workdir=image_workdir,
+            created_at=now,
+            ttl_deadline=now + cfg.ttl_seconds if cfg.ttl_seconds else None,
+            owner_pid=None if detach else os.getpid(),
+            owner_start=None if detach else _process_start(os.getpid()),
+            network=attachment.runsc_network,
+            overlay=overlay,
+            platform=cfg.platform,
+            rootless=cfg.effective_rootless,
+            endpoints=attachment.endpoints,
+        )
         self._write_record(sdir, rec)
         return rec
 
@@ -398,6 +456,312 @@ class SandboxRuntime:
         if errors:
             raise errors[0]
 
+    # --- pause, snapshot, restore, fork ------------------------------------------------------
+
+    def _require_state(self, sandbox_id: str, *allowed: str) -> SandboxRecord:
+        """The record, if runsc reports the container in one of ``allowed`` states."""
+        rec = self._record(sandbox_id)
+        try:
+            status = self.runsc.state(sandbox_id).status
+        except SandboxNotFoundError:
+            status = "missing"
+        if status not in allowed:
+            raise SandboxStateError(
+                f"sandbox is {status}; this needs it {' or '.join(allowed)}",
+                sandbox_id=sandbox_id,
+            )
+        return rec
+
+    def _set_phase(self, rec: SandboxRecord, phase: str) -> None:
+        rec = rec.model_copy(update={"phase": phase})
+        with self._lock:
+            if rec.sandbox_id in self._records:
+                self._records[rec.sandbox_id] = rec
+        self._write_record(SandboxDir(self.sandboxes_dir / rec.sandbox_id), rec)
+
+    def pause(self, sandbox_id: str) -> None:
+        """Freeze every process of the sandbox (``runsc pause``). Until :meth:`resume`,
+        exec, spawn and file calls raise :class:`SandboxStateError` instead of waiting."""
+        rec = self._require_state(sandbox_id, "running")
+        self._set_phase(rec, "paused")
+        try:
+            self.runsc.pause(sandbox_id)
+        except SandboxError:
+            self._set_phase(rec, "created")
+            raise
+
+    def resume(self, sandbox_id: str) -> None:
+        """Thaw a paused sandbox; its processes go on where they stopped."""
+        rec = self._require_state(sandbox_id, "paused")
+        self.runsc.resume(sandbox_id)
+        self._set_phase(rec, "created")
+
+    def _check_checkpoint_support(self) -> None:
+        version = self.runsc.version
+        if not version.has_fast_checkpoint:
+            raise ToolMissingError(
+                f"snapshots need runsc {TARGET_VERSION} or newer; {self.runsc.binary} is "
+                f"{version.version} (its checkpoint --leave-running blocks until the sandbox "
+                "exits and it cannot write uncompressed images)"
+            )
+
+    def snapshot(
+        self, sandbox_id: str, *, detach: bool = False, labels: Mapping[str, str] | None = None,
+        drain_timeout: float = 30.0,
+    ) -> Snapshot:
+        """Checkpoint a running sandbox (memory, processes, writable layers) to disk; it keeps
+        running. Calls made meanwhile wait; calls already running get ``drain_timeout``
+        seconds to finish. Spawned processes keep running but their handles are detached
+        (see docs/snapshots.md). ``detach=True`` lets the snapshot outlive this process."""
+        self._check_checkpoint_support()
+        rec = self._require_state(sandbox_id, "running")
+        sdir = SandboxDir(self.sandboxes_dir / sandbox_id)
+        snap_id = uuid.uuid4().hex
+        sd = SnapshotDir(self.snapshots_dir / snap_id)
+        sd.image.mkdir(parents=True)
+        try:
+            with self._held_agent(sandbox_id, sdir, drain_timeout):
+                self._checkpoint(rec, sd.image)
+                # Host dirs are not in gVisor's image; copied while the agent still holds.
+                copy_tree(sdir.upper, sd.upper)
+                if sdir.work.is_dir():
+                    copy_tree(sdir.work, sd.work)
+            shutil.copyfile(sdir.bundle / "config.json", sd.spec)
+            shutil.copyfile(sdir.etc / "hostname", sd.hostname)
+            snap = Snapshot(
+                snapshot_id=snap_id, source_id=sandbox_id, path=str(sd.path),
+                config=rec.config, image=rec.image, image_digest=rec.image_digest,
+                image_env=rec.image_env, image_user=rec.image_user,
+                image_workdir=rec.image_workdir, network=rec.network,
+                overlay=rec.overlay != "none", platform=rec.platform, rootless=rec.rootless,
+                source_dir=str(sdir.path),
+                owner_pid=None if detach else os.getpid(),
+                owner_start=None if detach else _process_start(os.getpid()),
+                labels=dict(labels or {}),
+            )  # fmt: skip
+            return sd.seal(snap)
+        except BaseException:
+            sd.remove()
+            raise
+
+    @contextmanager
+    def _held_agent(self, sandbox_id: str, sdir: SandboxDir, drain_timeout: float):
+        """gVisor cannot checkpoint a socket bound or connected to the host: hold new calls,
+        drop every connection, and have the agent close its listener (it does while the
+        hold file exists); afterwards it listens again and held calls go on."""
+        client = self._client(sandbox_id)
+        hold = sdir.run / HOLD_FILE
+        with client.quiesce(drain_timeout):
+            hold.touch()
+            try:
+                client.drop_connections()
+                self._wait_socket(sdir, present=False, wake=True)
+                yield
+            finally:
+                hold.unlink(missing_ok=True)
+                self._wait_socket(sdir, present=True, wake=False)
+
+    @staticmethod
+    def _wait_socket(sdir: SandboxDir, *, present: bool, wake: bool,
+                     timeout: float = 10.0) -> None:
+        """Wait until the agent's socket file exists (or is gone). ``wake`` connects once
+        so the agent notices a new hold file without waiting for its next check."""
+        if wake:
+            with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as s:
+                s.connect(str(sdir.socket))
+        deadline = time.monotonic() + timeout
+        while sdir.socket.exists() != present:
+            if time.monotonic() > deadline:
+                raise SandboxStateError(
+                    f"the agent did not {'re-open' if present else 'close'} its socket "
+                    f"within {timeout:g}s", sandbox_id=sdir.path.name,
+                )
+            time.sleep(0.0005)
+
+    def _checkpoint(self, rec: SandboxRecord, image: Path) -> None:
+        # A handler may close its side of a dropped connection a moment after the drop:
+        # until then gVisor refuses to encode it ("encoding error"); the failed attempt
+        # leaves the sandbox running, so try again for a short while.
+        deadline = time.monotonic() + _CHECKPOINT_RETRY_S
+        while True:
+            try:
+                self.runsc.checkpoint(rec.sandbox_id, image, network=rec.network,
+                                      overlay=rec.overlay, rootless=rec.rootless,
+                                      platform=rec.platform)
+                return
+            except CommandError as exc:
+                if "encoding error" not in (exc.stderr or "") or time.monotonic() > deadline:
+                    raise
+            for f in image.iterdir():
+                f.unlink()
+            time.sleep(0.01)
+
+    def _snapshot_dir(self, snapshot: Snapshot | str) -> tuple[Snapshot, SnapshotDir]:
+        snap_id = snapshot if isinstance(snapshot, str) else snapshot.snapshot_id
+        if not isinstance(snap_id, str) or not _ID_RE.match(snap_id):
+            raise SnapshotNotFoundError(f"not a snapshot id: {snap_id!r}")
+        sd = SnapshotDir(self.snapshots_dir / snap_id)
+        return sd.load(snap_id), sd
+
+    def restore(
+        self,
+        snapshot: Snapshot | str,
+        k: int = 1,
+        *,
+        labels: Mapping[str, str] | None = None,
+        detach: bool = False,
+        on_restore: str | list[str] | None = None,
+        sandbox_ids: list[str] | None = None,
+    ) -> list[str]:
+        """Start ``k`` new sandboxes from a snapshot on this node; returns their ids once all
+        are ready for exec. Each gets its own sandbox dir, root overlay upper, workdir copy,
+        network, cgroups and runsc id. ``labels`` replace the source's labels;
+        ``on_restore`` runs in each copy before it is returned (e.g. to reseed PRNGs; a
+        fresh random seed is at /.rsb/run/seed). All or nothing: a copy that fails is
+        retried once, then every copy made by this call is deleted and the error raised."""
+        if k < 1:
+            raise ConfigError(f"k must be at least 1, got {k}")
+        if sandbox_ids is not None and len(sandbox_ids) != k:
+            raise ConfigError("sandbox_ids must have k entries")
+        self._check_checkpoint_support()
+        snap, sd = self._snapshot_dir(snapshot)
+        sd.verify(snap)
+        ids = sandbox_ids or [uuid.uuid4().hex for _ in range(k)]
+        made: list[str] = []
+        with ThreadPoolExecutor(max_workers=min(k, _RESTORE_PARALLEL)) as pool:
+            futures = [pool.submit(self._restore_retrying, snap, sd, i, labels, detach,
+                                   on_restore) for i in ids]  # fmt: skip
+            errors = []
+            for i, fut in zip(ids, futures, strict=True):
+                try:
+                    fut.result()
+                    made.append(i)
+                except BaseException as exc:  # noqa: BLE001 - re-raised below
+                    errors.append(exc)
+        if errors:
+            for i in made:
+                with contextlib.suppress(SandboxError):
+                    self._destroy(i)
+            raise errors[0]
+        return ids
+
+    def _restore_retrying(self, snap: Snapshot, sd: SnapshotDir, sandbox_id: str,
+                          labels: Mapping[str, str] | None, detach: bool,
+                          on_restore: str | list[str] | None) -> None:
+        for attempt in (1, 2):
+            try:
+                self._restore_one(snap, sd, sandbox_id, labels, detach, on_restore)
+                return
+            except SandboxError as exc:
+                self._destroy(sandbox_id)
+                if attempt == 2 or isinstance(exc, ConfigError | ImageError):
+                    raise SandboxCreationError(
+                        f"restoring snapshot {snap.snapshot_id} failed: {exc.message}",
+                        sandbox_id=sandbox_id, argv=exc.argv, returncode=exc.returncode,
+                        stderr=exc.stderr,
+                    ) from exc
+            except BaseException:
+                self._destroy(sandbox_id)
+                raise
+
+    def _restore_one(self, snap: Snapshot, sd: SnapshotDir, sandbox_id: str,
+                     labels: Mapping[str, str] | None, detach: bool,
+                     on_restore: str | list[str] | None) -> None:
+        config = dict(snap.config)
+        # Published ports are leased node-wide: a copy cannot take its source's.
+        config["expose_ports"] = ()
+        if labels is not None:
+            config["labels"] = dict(labels)
+        cfg = make_config(config)
+        image = self._get_pinned(snap.image, sandbox_id)
+        if image.digest != snap.image_digest:
+            raise SnapshotCorruptError(
+                f"image {snap.image} is {image.digest} on this node, the snapshot needs "
+                f"{snap.image_digest}", sandbox_id=sandbox_id,
+            )
+        sdir = SandboxDir(self.sandboxes_dir / sandbox_id)
+        sdir.create()
+        attachment, overlay = self._prepare(sandbox_id, sdir, cfg, image, upper=sd.upper)
+        if sd.work.is_dir():
+            copy_tree(sd.work, sdir.work)
+        spec = rewrite_paths(json.loads(sd.spec.read_text()), snap.source_dir, str(sdir.path))
+        spec = _localize_spec(spec, sandbox_id, attachment.netns_path)
+        hostname = sd.hostname.read_text().strip()
+        bundle.write_bundle(sdir, Spec.model_validate(spec), hostname=hostname,
+                            resolv_conf=attachment.resolv_conf, hosts=attachment.hosts)
+        (sdir.run / "seed").write_text(os.urandom(32).hex() + "\n")
+        rec = self._new_record(sandbox_id, sdir, cfg, image, attachment, overlay, detach,
+                               image_user=snap.image_user, image_workdir=snap.image_workdir)
+        self.runsc.restore_detached(
+            sandbox_id, sdir.bundle, sd.image, network=rec.network, overlay=overlay,
+            rootless=rec.rootless, platform=rec.platform, prefix=attachment.run_prefix,
+            log_dir=sdir.path,
+        )
+        self._wait_ready(sandbox_id, sdir)
+        rec = rec.model_copy(update={"phase": "created"})
+        self._write_record(sdir, rec)
+        with self._lock:
+            self._records[sandbox_id] = rec
+            self._owned.add(sandbox_id)
+            if rec.ttl_deadline is not None:
+                self._schedule_ttl(sandbox_id, rec.ttl_deadline)
+        if on_restore is not None:
+            res = self.exec(sandbox_id, on_restore)
+            if not res.ok:
+                raise SandboxCreationError(
+                    f"on_restore exited {res.exit_code}", sandbox_id=sandbox_id,
+                    stderr=res.stderr,
+                )
+
+    def fork(self, sandbox_id: str, k: int = 1, **restore_kw: Any) -> list[str]:
+        """``k`` running copies of a running sandbox (snapshot + restore; the snapshot is
+        deleted afterwards). Keyword arguments go to :meth:`restore`."""
+        snap = self.snapshot(sandbox_id)
+        try:
+            return self.restore(snap, k, **restore_kw)
+        finally:
+            self.delete_snapshot(snap)
+
+    def delete_snapshot(self, snapshot: Snapshot | str) -> None:
+        """Remove a snapshot's files from this node. Idempotent."""
+        snap_id = snapshot if isinstance(snapshot, str) else snapshot.snapshot_id
+        if isinstance(snap_id, str) and _ID_RE.match(snap_id):
+            SnapshotDir(self.snapshots_dir / snap_id).remove()
+
+    def list_snapshots(self) -> list[Snapshot]:
+        """Every complete snapshot on this node."""
+        out = []
+        for d in sorted(self.snapshots_dir.iterdir()):
+            if _ID_RE.match(d.name):
+                with contextlib.suppress(SandboxError):
+                    out.append(SnapshotDir(d).load(d.name))
+        return out
+
+    def get_snapshot(self, snapshot_id: str) -> Snapshot:
+        return self._snapshot_dir(snapshot_id)[0]
+
+    def _gc_snapshots(self) -> list[str]:
+        """Snapshots whose owner died, and partial ones (no snapshot.json) older than a
+        minute (a snapshot being taken is younger)."""
+        removed = []
+        for d in sorted(self.snapshots_dir.iterdir()):
+            if not _ID_RE.match(d.name):
+                continue
+            sd = SnapshotDir(d)
+            try:
+                snap = sd.load(d.name)
+            except SnapshotNotFoundError:
+                if time.time() - d.stat().st_mtime < 60:
+                    continue
+            except SandboxError:
+                pass
+            else:
+                if snap.owner_pid is None or _process_start(snap.owner_pid) == snap.owner_start:
+                    continue
+            sd.remove()
+            removed.append(d.name)
+        return removed
+
     # --- status ----------------------------------------------------------------------------
 
     def _check_id(self, sandbox_id: str) -> None:
@@ -487,6 +851,12 @@ class SandboxRuntime:
     def _client(self, sandbox_id: str) -> AgentClient:
         with self._lock:
             client = self._clients.get(sandbox_id)
+            rec = self._records.get(sandbox_id)
+        if rec is None:
+            rec = self._load_record(sandbox_id)
+        if rec is not None and rec.phase == "paused":
+            # Its processes are frozen: a call would only hang until its deadline.
+            raise SandboxStateError("sandbox is paused; resume it first", sandbox_id=sandbox_id)
         if client is not None:
             return client
         self._record(sandbox_id)
@@ -851,6 +1221,7 @@ class SandboxRuntime:
                 removed.append(c.id)
         self._kill_stray_runsc(live)
         network.gc(live)
+        removed += self._gc_snapshots()
         for image in self.images.list():
             for owner in self.images.pins(image.digest) - live:
                 if _ID_RE.match(owner):
@@ -883,9 +1254,13 @@ class SandboxRuntime:
     # --- context manager -------------------------------------------------------------------
 
     def close(self) -> None:
-        """Delete every sandbox this runtime created (detached ones included)."""
+        """Delete every sandbox this runtime created (detached ones included) and the
+        snapshots it took that are not detached."""
         with self._lock:
             ids = list(self._owned)
+        for snap in self.list_snapshots():
+            if snap.owner_pid == os.getpid():
+                self.delete_snapshot(snap)
         for sid in ids:
             try:
                 self._destroy(sid, reason="Deleted")

@@ -9,6 +9,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdio.h>
@@ -26,8 +27,11 @@
 #define STR(x) STR_(x)
 #define STR_(x) #x
 #define RECHECK_US 500000 /* how often the socket path is checked for deletion */
+#define HOLD_RECHECK_US 2000 /* how often a held listener checks whether the hold ended */
+#define HOLD_NAME "checkpoint.hold"
 
 static volatile sig_atomic_t init_sigchld;
+static char hold[PATH_MAX]; /* set by serve() before any handler is forked */
 
 static void on_init_sigchld(int sig)
 {
@@ -136,6 +140,19 @@ static void accept_all(int lfd)
     }
 }
 
+int checkpoint_held(void)
+{
+    return hold[0] && access(hold, F_OK) == 0;
+}
+
+/* HOLD_NAME in the directory of the socket path. */
+static void hold_path(const char *sock, char *out, size_t size)
+{
+    const char *slash = strrchr(sock, '/');
+    int dir = slash ? (int)(slash - sock) : 1;
+    snprintf(out, size, "%.*s/%s", dir, slash ? sock : ".", HOLD_NAME);
+}
+
 static void ensure_stdio(void)
 {
     for (int i = 0; i < 3; i++) {
@@ -171,9 +188,20 @@ static void serve(const char *path)
     int lfd = -1, failed = 0;
     ino_t ino = 0;
     int64_t checked = 0;
+    hold_path(path, hold, sizeof hold);
     for (;;) {
+        /* gVisor cannot checkpoint a bound host socket: while the host holds a checkpoint
+         * (HOLD_NAME next to the socket) the listener is closed and its path removed; the
+         * host waits for that. A sandbox restored from the image wakes up here in its own,
+         * fresh socket directory without the hold file and listens again. */
+        int held = checkpoint_held();
+        if (held && lfd >= 0) {
+            close(lfd);
+            unlink(path);
+            lfd = -1;
+        }
         int64_t now = now_us();
-        if (lfd < 0 || now - checked >= RECHECK_US) {
+        if (!held && (lfd < 0 || now - checked >= RECHECK_US)) {
             checked = now;
             if (lfd < 0 || socket_gone(path, ino)) {
                 if (lfd >= 0)
@@ -186,14 +214,16 @@ static void serve(const char *path)
             }
         }
         struct pollfd p = {.fd = lfd, .events = POLLIN};
-        struct timespec ts = {0, RECHECK_US * 1000};
+        int64_t wait_us = held ? HOLD_RECHECK_US : RECHECK_US;
+        struct timespec ts = {wait_us / 1000000, (wait_us % 1000000) * 1000};
         int n = ppoll(&p, 1, &ts, &waitmask);
         if (init_sigchld) {
             init_sigchld = 0;
             while (waitpid(-1, NULL, WNOHANG) > 0)
                 ;
         }
-        if (n > 0 && p.revents & POLLIN)
+        /* A connection may be the host waking us to see a new hold file: check first. */
+        if (n > 0 && p.revents & POLLIN && !checkpoint_held())
             accept_all(lfd);
     }
 }

@@ -11,6 +11,10 @@
 #define RSB_SOURCE_HASH "dev"
 #endif
 
+/* True while the host holds a checkpoint (its hold file exists next to the socket): a
+ * client that goes away then detaches its command instead of killing it. */
+int checkpoint_held(void);
+
 /* Blocks SIGCHLD (EXEC waits for it inside ppoll); call once per handler. */
 void exec_init_signals(void);
 int64_t now_us(void);

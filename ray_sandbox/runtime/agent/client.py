@@ -15,7 +15,9 @@ import select
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
@@ -285,7 +287,12 @@ class AgentClient:
         self.pool_size = pool_size
         self._idle: list[_Conn] = []
         self._lock = threading.Lock()
+        self._unheld = threading.Condition(self._lock)
+        self._held = False
         self._closed = False
+        self._busy: weakref.WeakSet[_Conn] = weakref.WeakSet()  # checked out
+        self._connecting = 0
+        self._procs: weakref.WeakSet[AgentProcess] = weakref.WeakSet()
 
     # -- connections ------------------------------------------------------------------
 
@@ -310,20 +317,41 @@ class AgentClient:
                 os.close(dirfd)
         return _Conn(sock, self.sandbox_id)
 
+    def _wait_unheld(self) -> None:
+        """Called with the lock held: waits out a :meth:`quiesce`."""
+        self._unheld.wait_for(lambda: not self._held)
+        if self._closed:
+            raise SandboxStateError("agent client is closed", sandbox_id=self.sandbox_id)
+
     def _checkout(self) -> _Conn:
         with self._lock:
-            if self._closed:
-                raise SandboxStateError("agent client is closed", sandbox_id=self.sandbox_id)
+            self._wait_unheld()
             while self._idle:
                 conn = self._idle.pop()
                 # Else the handler died (EOF pending) or the connection is out of step.
                 if not conn.closed and not conn.has_input():
+                    self._busy.add(conn)
                     return conn
                 conn.close()
-        return self._connect()
+        return self._connect_busy()
+
+    def _connect_busy(self) -> _Conn:
+        """A new connection, counted as busy from before it exists (for :meth:`quiesce`)."""
+        with self._lock:
+            self._wait_unheld()
+            self._connecting += 1
+        try:
+            conn = self._connect()
+            with self._lock:
+                self._busy.add(conn)
+            return conn
+        finally:
+            with self._lock:
+                self._connecting -= 1
 
     def _checkin(self, conn: _Conn) -> None:
         with self._lock:
+            self._busy.discard(conn)
             if not conn.closed and not self._closed and len(self._idle) < self.pool_size:
                 self._idle.append(conn)
                 return
@@ -336,6 +364,46 @@ class AgentClient:
             idle, self._idle = self._idle, []
         for conn in idle:
             conn.close()
+
+    @contextmanager
+    def quiesce(self, timeout: float) -> Iterator[None]:
+        """Holds new calls and waits up to ``timeout`` s for running ones, so that the
+        caller can drop every connection (:meth:`drop_connections`) and checkpoint the
+        sandbox. Calls made meanwhile wait; they go on when the block ends."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            self._wait_unheld()
+            self._held = True
+        try:
+            while self._running():
+                if time.monotonic() > deadline:
+                    raise SandboxStateError(
+                        f"calls into the sandbox still running after {timeout:g}s",
+                        sandbox_id=self.sandbox_id,
+                    )
+                time.sleep(0.002)
+            yield
+        finally:
+            with self._lock:
+                self._held = False
+                self._unheld.notify_all()
+
+    def _running(self) -> bool:
+        with self._lock:
+            return self._connecting > 0 or any(not c.closed for c in self._busy)
+
+    def drop_connections(self) -> int:
+        """Closes idle connections and detaches spawned processes (they keep running in the
+        sandbox, see :meth:`AgentProcess.detach`); returns how many processes were detached.
+        Only inside :meth:`quiesce`, after the agent was told to hold."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+            procs = [pr for pr in self._procs if not pr.done]
+        for conn in idle:
+            conn.close()
+        for pr in procs:
+            pr.detach()
+        return len(procs)
 
     def __enter__(self) -> AgentClient:
         return self
@@ -480,16 +548,24 @@ class AgentClient:
     ) -> AgentProcess:
         """Starts a long-lived process on a dedicated connection (see :class:`AgentProcess`)."""
         req = _exec_fields(argv, env, cwd, user, None, None, pty, self.sandbox_id)
-        conn = self._connect()
-        conn.send(req)
-        ftype, payload = conn.read_frame(_idle_deadline())
-        if ftype == p.Reply.ERROR:
+        conn = self._connect_busy()  # a quiesce waits until it is an AgentProcess
+        try:
+            conn.send(req)
+            ftype, payload = conn.read_frame(_idle_deadline())
+            if ftype == p.Reply.ERROR:
+                conn.close()
+                raise self._exec_error(conn, payload)
+            if ftype != p.Reply.STARTED:
+                raise self._unexpected(conn, ftype)
+            pid = conn.decode(p.parse_pid, payload)
+            proc = AgentProcess(conn, pid, pty is not None, max_buffer_bytes)
+        except BaseException:
             conn.close()
-            raise self._exec_error(conn, payload)
-        if ftype != p.Reply.STARTED:
-            raise self._unexpected(conn, ftype)
-        pid = conn.decode(p.parse_pid, payload)
-        return AgentProcess(conn, pid, pty is not None, max_buffer_bytes)
+            raise
+        with self._lock:
+            self._busy.discard(conn)
+            self._procs.add(proc)
+        return proc
 
     # -- files --------------------------------------------------------------------------
 
@@ -723,6 +799,7 @@ class AgentProcess:
         self._exit: p.Exit | None = None
         self._lost: SandboxError | None = None
         self._killed = False
+        self._detached = False
         self._cond = threading.Condition()
         self._send_lock = threading.Lock()
         self._reader = threading.Thread(target=self._read_loop, daemon=True, name=f"agent-{pid}")
@@ -830,8 +907,24 @@ class AgentProcess:
                 return _result(ex, out, err)
             if self._killed:  # the connection was cut on purpose
                 return ExecResult(exit_code=137, signal=9, stdout_bytes=out, stderr_bytes=err)
+            if self._detached:
+                raise SandboxStateError(
+                    f"process {self.pid} was detached by a snapshot; it keeps running in the "
+                    "sandbox but this handle no longer sees it",
+                    sandbox_id=self._conn.sandbox_id,
+                )
             assert self._lost is not None
             raise self._lost
+
+    def detach(self) -> None:
+        """Lets go of the process without killing it: the agent (told to hold for a
+        checkpoint) keeps it running and drops its output. Output not yet read stays
+        readable; :meth:`wait` then raises :class:`SandboxStateError`."""
+        if self.done:
+            return
+        self._detached = True
+        self._conn.abort()
+        self._reader.join()
 
     def close(self) -> None:
         """Kills the process tree if still running and releases the connection."""

@@ -534,6 +534,37 @@ static int exec_loop(struct conn *c, struct run *run, const struct exec_req *r,
     }
 }
 
+/* The host let go of this command to checkpoint the sandbox (gVisor cannot save a socket
+ * connected to the host): keep it running without a client, so it is in the image and goes
+ * on in the sandbox and its restored copies. Its output is read and dropped, as a closed
+ * pipe would kill it with SIGPIPE; stdin stays open. Returns when it exited and its output
+ * streams are closed. */
+static void detach_run(struct conn *c, struct run *run, const sigset_t *waitmask)
+{
+    close(c->fd);
+    c->fd = -1;
+    unsigned char sink[OUT_CHUNK];
+    for (;;) {
+        if (got_sigchld)
+            reap(run);
+        if (run->reaped && run->out_eof[0] && (run->out_fd[1] < 0 || run->out_eof[1]))
+            return;
+        struct pollfd pf[2];
+        for (int s = 0; s < 2; s++)
+            pf[s] = (struct pollfd){.fd = run->out_eof[s] ? -1 : run->out_fd[s],
+                                    .events = POLLIN};
+        if (ppoll(pf, 2, NULL, waitmask) < 0)
+            continue;
+        for (int s = 0; s < 2; s++) {
+            if (!pf[s].revents)
+                continue;
+            ssize_t n = read(run->out_fd[s], sink, sizeof sink);
+            if (n == 0 || (n < 0 && errno != EINTR && errno != EAGAIN))
+                run->out_eof[s] = 1;
+        }
+    }
+}
+
 static int send_exit(struct conn *c, const struct run *run, int retire, int64_t duration_us)
 {
     int st = run->status, sig = WIFSIGNALED(st) ? WTERMSIG(st) : 0;
@@ -619,7 +650,10 @@ int op_exec(struct conn *c, const struct frame *req)
         out_int(c, G_PID, run.pid);
         out_end(c);
         if (exec_loop(c, &run, &r, &waitmask) < 0) {
-            kill_tree(&run);
+            if (checkpoint_held())
+                detach_run(c, &run, &waitmask);
+            else
+                kill_tree(&run);
             close_streams(&run);
             close_conn = 1;
         } else {
