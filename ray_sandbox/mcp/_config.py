@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-import ipaddress
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from ..runtime.config import SandboxConfig
+from ..runtime.images import is_loopback
 
 Transport = Literal["stdio", "http"]
 
@@ -16,15 +16,6 @@ Transport = Literal["stdio", "http"]
 def default_sandbox() -> SandboxConfig:
     """A private, writable Python sandbox without network, working in /workspace."""
     return SandboxConfig(image="ray-sandbox/python", readonly=False, workdir="/workspace")
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class MCPServerConfig(BaseModel):

@@ -1,0 +1,282 @@
+"""RaySandboxEnvironment: a Harbor environment whose container is a ray_sandbox gVisor sandbox,
+placed by Ray anywhere in the cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+from typing import Any, Literal
+
+import ray
+from harbor.environments.base import BaseEnvironment, ExecResult
+from harbor.environments.capabilities import (
+    EnvironmentCapabilities,
+    EnvironmentResourceCapabilities,
+)
+from harbor.environments.options import EnvironmentOptions
+from harbor.models.task.config import NetworkPolicy
+from pydantic import Field
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from ..actor import SandboxHandle, SandboxTemplate, create_from_template
+from ..runtime import ExecResult as SandboxExecResult
+from ..runtime import FileInfo, FileType, OutputChunk, SandboxConfig
+from ..runtime.config import EgressPolicy
+from ..runtime.errors import SandboxError
+from ..runtime.paths import home
+from . import _policy
+
+TIMEOUT_EXIT_CODE = 124  # what timeout(1) returns; Harbor tasks know it
+
+
+class RaySandboxOptions(EnvironmentOptions):
+    """``--ek`` options of the ray_sandbox environment."""
+
+    ray_address: str | None = Field(
+        None, description="Ray cluster to join ('auto', 'host:6379', 'ray://host:10001'); "
+        "default: $RAY_ADDRESS, else a local cluster started by this process")
+    network: Literal["public", "sandbox"] = Field(
+        "public", description="ray_sandbox network mode of sandboxes whose phases need a network")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources each sandbox also reserves")
+    placement_timeout_sec: float | None = Field(
+        None, description="give up when the cluster cannot place a sandbox for this long")
+
+
+_ray_lock = threading.Lock()
+
+
+def _join_ray(address: str | None) -> None:
+    """Join (or start) the Ray cluster once per process; trials share it."""
+    with _ray_lock:
+        if not ray.is_initialized():
+            ray.init(address=address, log_to_driver=False)
+
+
+@ray.remote(num_cpus=0)
+def _node_problems() -> list[str]:
+    """What keeps this node from running sandboxes as the environment promises (limits need
+    root and cgroups; mmdebstrap only builds the default image)."""
+    import os
+
+    from ..runtime.doctor import diagnose
+
+    problems = [f"{c.name}: {c.detail}" for c in diagnose().checks
+                if not c.ok and c.name != "mmdebstrap"]
+    if os.geteuid() != 0:
+        problems.append("not root: sandboxes would run rootless, without CPU/memory limits")
+    return problems
+
+
+@ray.remote(num_cpus=0)
+def _set_egress(sandbox_id: str, policy: EgressPolicy) -> None:
+    """Runs on the sandbox's node, where its network state lives."""
+    from ..network import set_egress
+
+    set_egress(sandbox_id, home() / "sandboxes" / sandbox_id, policy)
+
+
+class RaySandboxEnvironment(BaseEnvironment):
+    """Runs each trial in a gVisor sandbox created through ``ray_sandbox.create``.
+
+    Needs ``[environment].docker_image`` (any reference the node's image store can pull: a
+    registry, ``oci:``, ``oci-archive:``, ``docker-archive:``); Dockerfile builds are not
+    supported. CPU and memory are reserved in Ray and enforced with cgroups.
+    """
+
+    options_model = RaySandboxOptions
+    options: RaySandboxOptions
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._sandbox: SandboxHandle | None = None
+        self._shell: str | None = None
+        policies = [self._network_policy, *self._phase_network_policies]
+        self._mode = _policy.start_mode(policies, self.options.network)
+
+    @staticmethod
+    def type() -> str:
+        return "ray-sandbox"
+
+    @property
+    def capabilities(self) -> EnvironmentCapabilities:
+        return EnvironmentCapabilities(
+            disable_internet=True,
+            network_allowlist=True,
+            network_allowlist_hostnames=True,
+            network_allowlist_wildcard_hostnames=True,
+            network_allowlist_ipv4_addresses=True,
+            network_allowlist_ipv4_cidrs=True,
+            dynamic_network_policy=True,  # nft rules replaced in place, outside gVisor
+        )
+
+    @classmethod
+    def resource_capabilities(cls) -> EnvironmentResourceCapabilities:
+        # Requests are Ray placement-group reservations; limits are cgroup limits.
+        return EnvironmentResourceCapabilities(
+            cpu_limit=True, cpu_request=True, memory_limit=True, memory_request=True,
+            fractional_cpus=True,
+        )
+
+    @classmethod
+    def preflight(cls, kwargs: dict[str, Any] | None = None) -> None:
+        """Join the Ray cluster and check every alive node for runsc, the image tools, the
+        agent, cgroups and root."""
+        super().preflight(kwargs)
+        options = cls.parse_options(kwargs)
+        assert isinstance(options, RaySandboxOptions)
+        try:
+            _join_ray(options.ray_address)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise SystemExit(f"cannot join the Ray cluster: {exc}") from None
+        nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+        checks = [_node_problems.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+            node_id=node, soft=False)).remote() for node in nodes]
+        found = {node: p for node, p in zip(nodes, ray.get(checks), strict=True) if p}
+        if found:
+            detail = "; ".join(f"node {node[:8]}: {', '.join(p)}" for node, p in found.items())
+            raise SystemExit(f"ray_sandbox cannot run sandboxes (run scripts/setup.sh): {detail}")
+
+    def _validate_definition(self) -> None:
+        if not self.task_env_config.docker_image:
+            raise ValueError(
+                "the ray-sandbox environment runs prebuilt images only: set "
+                "[environment].docker_image in task.toml (Dockerfile builds are not supported)"
+            )
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    def _template(self) -> SandboxTemplate:
+        from harbor.models.trial.config import ResourceMode
+
+        cpu_limit = self._resource_limit_value("cpu", auto_mode=ResourceMode.GUARANTEE)
+        cpu_request = self._resource_request_value("cpu", auto_mode=ResourceMode.GUARANTEE)
+        mem_limit = self._resource_limit_value("memory", auto_mode=ResourceMode.GUARANTEE)
+        mem_request = self._resource_request_value("memory", auto_mode=ResourceMode.GUARANTEE)
+        config = SandboxConfig(
+            image=self.task_env_config.docker_image,
+            cpu=cpu_limit,
+            memory=mem_limit * 2**20 if mem_limit else None,
+            env=self._startup_env(),
+            workdir=self.task_env_config.workdir,
+            readonly=False,
+            timeout_seconds=None,  # Harbor's timeout_sec=None means no timeout
+            network=self._mode,
+            egress=_policy.egress(self._network_policy) if self._mode != "none" else None,
+            labels={"ray-sandbox/harbor-session": self.session_id},
+        )
+        # Ray reserves the request. Without one the template reserves the limit, as placement
+        # needs a reservation; with one and no limit, nothing caps the sandbox.
+        resources = dict(self.options.resources)
+        if cpu_request is not None:
+            resources["CPU"] = float(cpu_request)
+        if mem_request is not None:
+            resources["memory"] = float(mem_request * 2**20)
+        return SandboxTemplate(config=config, resources=resources)
+
+    async def start(self, force_build: bool) -> None:
+        template = self._template()
+
+        def create() -> SandboxHandle:
+            _join_ray(self.options.ray_address)
+            return create_from_template(template, timeout=self.options.placement_timeout_sec)
+
+        self._sandbox = await asyncio.to_thread(create)
+        try:
+            # Harbor's agents rely on bash (pipefail, arrays) where the image has it.
+            has_bash = await self._sandbox.exists.remote("/bin/bash")
+            self._shell = "/bin/bash" if has_bash else None
+            await self.ensure_dirs(self._mount_targets(writable_only=True))
+            await self._upload_environment_dir_after_start()
+        except BaseException:
+            await self.stop(delete=True)
+            raise
+
+    async def stop(self, delete: bool) -> None:
+        sandbox, self._sandbox = self._sandbox, None
+        if sandbox is None:
+            return
+        if not delete:
+            self.logger.info(f"keeping sandbox {sandbox.sandbox_id}; it ends with the Ray job")
+            return
+        try:
+            await sandbox.terminate.remote()
+        except (SandboxError, ray.exceptions.RayError) as exc:
+            self.logger.error(f"deleting sandbox {sandbox.sandbox_id} failed: {exc}")
+
+    def _require(self) -> SandboxHandle:
+        if self._sandbox is None:
+            raise RuntimeError("the sandbox is not running: call start() first")
+        return self._sandbox
+
+    async def _apply_network_policy(self, network_policy: NetworkPolicy) -> None:
+        sandbox = self._require()
+        if self._mode == "none":
+            raise ValueError("the sandbox started without a network (every phase declared "
+                             "no-network), so it cannot switch to another policy")
+        strategy = NodeAffinitySchedulingStrategy(node_id=sandbox.node_id, soft=False)
+        await _set_egress.options(scheduling_strategy=strategy).remote(
+            sandbox.sandbox_id, _policy.egress(network_policy))
+
+    # --- exec ----------------------------------------------------------------------------------
+
+    async def exec(
+        self,
+        command: str,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout_sec: int | None = None,
+        user: str | int | None = None,
+    ) -> ExecResult:
+        """Run ``command`` through bash (sh when the image has no bash). A non-zero exit is a
+        result; a timeout kills every process of the command and returns exit code 124."""
+        user = self._resolve_user(user)
+        kwargs = dict(cwd=cwd, env=self._merge_env(env), shell=self._shell, timeout=timeout_sec,
+                      user=None if user is None else str(user))
+        callback = self._output_callback()
+        if callback is None:
+            res: SandboxExecResult = await self._require().exec.remote(command, **kwargs)
+            stdout, stderr = res.stdout, res.stderr
+        else:  # stream the output to Harbor's log subscribers as it arrives
+            streams = {"stdout": bytearray(), "stderr": bytearray()}
+            async for ref in self._require().exec_stream.remote(command, **kwargs):
+                item = await ref
+                if isinstance(item, OutputChunk):
+                    streams[item.stream] += item.data
+                    await callback(item.text, item.stream)  # type: ignore[arg-type]
+                else:
+                    res = item
+            stdout, stderr = (streams[s].decode(errors="replace") for s in ("stdout", "stderr"))
+        if res.timed_out:
+            stderr += f"\n[ray-sandbox] command timed out after {timeout_sec} s\n"
+        return ExecResult(stdout=stdout, stderr=stderr,
+                          return_code=TIMEOUT_EXIT_CODE if res.timed_out else res.exit_code)
+
+    # --- files ---------------------------------------------------------------------------------
+    # The handle's transfer methods read or write the local path during .remote(): threads.
+
+    async def upload_file(self, source_path: Path | str, target_path: str) -> None:
+        sandbox = self._require()
+        await asyncio.to_thread(lambda: ray.get(sandbox.upload_file.remote(source_path,
+                                                                            target_path)))
+
+    async def upload_dir(self, source_dir: Path | str, target_dir: str) -> None:
+        sandbox = self._require()
+        await asyncio.to_thread(lambda: ray.get(sandbox.upload_dir.remote(source_dir,
+                                                                           target_dir)))
+
+    async def download_file(self, source_path: str, target_path: Path | str) -> None:
+        sandbox = self._require()
+        target = Path(target_path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        info: FileInfo = await sandbox.stat.remote(source_path)
+        await asyncio.to_thread(lambda: ray.get(sandbox.download_file.remote(source_path,
+                                                                              target)))
+        if info.type == FileType.FILE:  # the handle writes new files with the default mode
+            target.chmod(info.mode & 0o7777)
+
+    async def download_dir(self, source_dir: str, target_dir: Path | str) -> None:
+        sandbox = self._require()
+        await asyncio.to_thread(lambda: ray.get(sandbox.download_dir.remote(source_dir,
+                                                                             target_dir)))
