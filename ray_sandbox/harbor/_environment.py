@@ -4,6 +4,7 @@ placed by Ray anywhere in the cluster."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from pathlib import Path
 from typing import Any, Literal
@@ -16,14 +17,17 @@ from harbor.environments.capabilities import (
 )
 from harbor.environments.options import EnvironmentOptions
 from harbor.models.task.config import NetworkPolicy
+from harbor.models.trial.config import ResourceMode
 from pydantic import Field
+from ray.exceptions import RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..actor import SandboxHandle, SandboxTemplate, create_from_template
+from ..network import set_egress
 from ..runtime import ExecResult as SandboxExecResult
 from ..runtime import FileInfo, FileType, OutputChunk, SandboxConfig
 from ..runtime.config import EgressPolicy
-from ..runtime.errors import SandboxError
+from ..runtime.doctor import diagnose
 from ..runtime.paths import home
 from . import _policy
 
@@ -58,10 +62,6 @@ def _join_ray(address: str | None) -> None:
 def _node_problems() -> list[str]:
     """What keeps this node from running sandboxes as the environment promises (limits need
     root and cgroups; mmdebstrap only builds the default image)."""
-    import os
-
-    from ..runtime.doctor import diagnose
-
     problems = [f"{c.name}: {c.detail}" for c in diagnose().checks
                 if not c.ok and c.name != "mmdebstrap"]
     if os.geteuid() != 0:
@@ -72,8 +72,6 @@ def _node_problems() -> list[str]:
 @ray.remote(num_cpus=0)
 def _set_egress(sandbox_id: str, policy: EgressPolicy) -> None:
     """Runs on the sandbox's node, where its network state lives."""
-    from ..network import set_egress
-
     set_egress(sandbox_id, home() / "sandboxes" / sandbox_id, policy)
 
 
@@ -148,8 +146,6 @@ class RaySandboxEnvironment(BaseEnvironment):
     # --- lifecycle -----------------------------------------------------------------------------
 
     def _template(self) -> SandboxTemplate:
-        from harbor.models.trial.config import ResourceMode
-
         cpu_limit = self._resource_limit_value("cpu", auto_mode=ResourceMode.GUARANTEE)
         cpu_request = self._resource_request_value("cpu", auto_mode=ResourceMode.GUARANTEE)
         mem_limit = self._resource_limit_value("memory", auto_mode=ResourceMode.GUARANTEE)
@@ -202,7 +198,7 @@ class RaySandboxEnvironment(BaseEnvironment):
             return
         try:
             await sandbox.terminate.remote()
-        except (SandboxError, ray.exceptions.RayError) as exc:
+        except RayError as exc:
             self.logger.error(f"deleting sandbox {sandbox.sandbox_id} failed: {exc}")
 
     def _require(self) -> SandboxHandle:
@@ -244,7 +240,7 @@ class RaySandboxEnvironment(BaseEnvironment):
                 item = await ref
                 if isinstance(item, OutputChunk):
                     streams[item.stream] += item.data
-                    await callback(item.text, item.stream)  # type: ignore[arg-type]
+                    await callback(item.text, item.stream)
                 else:
                     res = item
             stdout, stderr = (streams[s].decode(errors="replace") for s in ("stdout", "stderr"))
@@ -254,29 +250,27 @@ class RaySandboxEnvironment(BaseEnvironment):
                           return_code=TIMEOUT_EXIT_CODE if res.timed_out else res.exit_code)
 
     # --- files ---------------------------------------------------------------------------------
-    # The handle's transfer methods read or write the local path during .remote(): threads.
+
+    @staticmethod
+    async def _transfer(method: Any, source: Path | str, target: Path | str) -> None:
+        """The handle's transfer methods read or write the local path during ``.remote()``,
+        so they run in a thread."""
+        await asyncio.to_thread(lambda: ray.get(method.remote(source, target)))
 
     async def upload_file(self, source_path: Path | str, target_path: str) -> None:
-        sandbox = self._require()
-        await asyncio.to_thread(lambda: ray.get(sandbox.upload_file.remote(source_path,
-                                                                            target_path)))
+        await self._transfer(self._require().upload_file, source_path, target_path)
 
     async def upload_dir(self, source_dir: Path | str, target_dir: str) -> None:
-        sandbox = self._require()
-        await asyncio.to_thread(lambda: ray.get(sandbox.upload_dir.remote(source_dir,
-                                                                           target_dir)))
+        await self._transfer(self._require().upload_dir, source_dir, target_dir)
 
     async def download_file(self, source_path: str, target_path: Path | str) -> None:
         sandbox = self._require()
         target = Path(target_path)
         target.parent.mkdir(parents=True, exist_ok=True)
         info: FileInfo = await sandbox.stat.remote(source_path)
-        await asyncio.to_thread(lambda: ray.get(sandbox.download_file.remote(source_path,
-                                                                              target)))
+        await self._transfer(sandbox.download_file, source_path, target)
         if info.type == FileType.FILE:  # the handle writes new files with the default mode
             target.chmod(info.mode & 0o7777)
 
     async def download_dir(self, source_dir: str, target_dir: Path | str) -> None:
-        sandbox = self._require()
-        await asyncio.to_thread(lambda: ray.get(sandbox.download_dir.remote(source_dir,
-                                                                             target_dir)))
+        await self._transfer(self._require().download_dir, source_dir, target_dir)

@@ -67,8 +67,10 @@ def _as_tool_errors() -> Iterator[None]:
     """Failures the model should read (bad path, limits) become tool errors."""
     try:
         yield
-    except (SessionError, SandboxError) as exc:
-        raise ToolError(getattr(exc, "message", str(exc))) from exc
+    except SessionError as exc:
+        raise ToolError(str(exc)) from exc
+    except SandboxError as exc:
+        raise ToolError(exc.message) from exc  # without the sandbox id and argv of str()
 
 
 class SandboxMCPServer:
