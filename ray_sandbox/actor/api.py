@@ -1,19 +1,33 @@
-"""``create``, ``get``, ``list`` and ``shutdown``: sandboxes placed by Ray's scheduler."""
+"""``create``, ``get``, ``list``, ``shutdown``, and copies of running sandboxes (``fork``,
+``restore``, ``resume`` after a suspend): sandboxes placed by Ray's scheduler."""
 
 from __future__ import annotations
 
 import builtins
+import json
 from collections.abc import Mapping
 from typing import Any, Literal
 
 import ray
-from ray.util.placement_group import placement_group, placement_group_table
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table
 
-from ..runtime.config import EgressPolicy
+from ..runtime.config import EgressPolicy, SandboxConfig
 from ..runtime.errors import ConfigError, SandboxCreationError, SandboxNotFoundError
+from ..runtime.snapshot import Snapshot
 from .handle import SandboxHandle
-from .host import NAMESPACE, all_hosts, forget_hosts, host_for_node, remove_pg
+from .host import (
+    BUNDLE_LABEL,
+    NAME_LABEL,
+    NAMESPACE,
+    SUSPENDED_LABEL,
+    all_hosts,
+    forget_hosts,
+    host_for_node,
+    remove_pg,
+)
 from .template import SandboxTemplate, config_fields, make_template
+
+_NODE_ID_LABEL = "ray.io/node-id"  # every Ray node carries it
 
 
 def _node_ip(node_id: str) -> str:
@@ -90,15 +104,31 @@ def create_from_template(
     t: SandboxTemplate, *, name: str | None = None, namespace: str | None = None,
     lifetime: str | None = None, timeout: float | None = None,
 ) -> SandboxHandle:
-    bundle = dict(t.bundle)
-    if t.node_id:
-        bundle[f"node:{_node_ip(t.node_id)}"] = 0.001
+    pg, node = _reserve(t.bundle, node_id=t.node_id, label_selector=t.label_selector,
+                        name=name, namespace=namespace, lifetime=lifetime, timeout=timeout)
+    host = host_for_node(node)
+    sid = ray.get(host.create.remote(t.config, pg.id.hex(), name, lifetime == "detached"))
+    return SandboxHandle(sid, host, name=name, node_id=node)
+
+
+def _reserve(
+    bundle: Mapping[str, float], *, node_id: str | None = None,
+    label_selector: Mapping[str, str] | None = None, name: str | None = None,
+    namespace: str | None = None, lifetime: str | None = None, timeout: float | None = None,
+) -> tuple[PlacementGroup, str]:
+    """A one-bundle placement group for a sandbox, ready; returns it and its node."""
+    bundle = dict(bundle)
+    selector = dict(label_selector or {})
+    if node_id:
+        _node_ip(node_id)  # a live node, or ConfigError
+        # The node-id label, not the node:<ip> resource: nodes may share an address.
+        selector[_NODE_ID_LABEL] = node_id
     pg = placement_group(
         [bundle],
         strategy="STRICT_PACK",
         name=_pg_name(name, namespace),
         lifetime=lifetime,
-        bundle_label_selector=[dict(t.label_selector)] if t.label_selector else None,
+        bundle_label_selector=[selector] if selector else None,
     )
     try:
         ready = pg.wait(timeout_seconds=timeout if timeout is not None else 10**9)
@@ -110,9 +140,113 @@ def create_from_template(
         raise SandboxCreationError(
             f"no node could reserve {bundle} within {timeout}s (the cluster is full)"
         )
-    node = placement_group_table(pg)["bundles_to_node_id"][0]
+    return pg, placement_group_table(pg)["bundles_to_node_id"][0]
+
+
+# --- snapshots, copies, suspension ------------------------------------------------------------
+
+Placement = str  # "local" (the snapshot's node), "any" (Ray decides) or a node id
+
+
+def _copy_bundle(snap: Snapshot) -> dict[str, float]:
+    """What a copy reserves: the source's placement-group bundle (its CPU, memory and
+    custom resources) without the node pin, or else what its config asks for."""
+    raw = snap.labels.get(BUNDLE_LABEL)
+    if raw:
+        return {k: v for k, v in json.loads(raw).items() if not k.startswith("node:")}
+    return SandboxTemplate(config=SandboxConfig(**snap.config)).bundle
+
+
+def _placement_node(snap: Snapshot, placement: Placement) -> str | None:
+    if placement == "local":
+        return snap.node_id
+    if placement == "any":
+        return None
+    return placement
+
+
+def restore(
+    snapshot: Snapshot, k: int = 1, *, placement: Placement = "local",
+    timeout: float | None = None,
+) -> builtins.list[SandboxHandle]:
+    """``k`` new sandboxes from a snapshot, each with its own Ray reservation (the source's
+    resources). ``placement`` is ``"local"`` (the snapshot's node), ``"any"`` or a node id;
+    on another node the snapshot's files are fetched from the node that holds them, once.
+    All or nothing: if one copy fails, the others are deleted and the error raised."""
+    if k < 1:
+        raise ConfigError(f"k must be at least 1, got {k}")
+    bundle = _copy_bundle(snapshot)
+    node_id = _placement_node(snapshot, placement)
+    handles: builtins.list[SandboxHandle] = []
+    pgs: builtins.list[tuple[PlacementGroup, str]] = []
+    try:
+        for _ in range(k):
+            pgs.append(_reserve(bundle, node_id=node_id, timeout=timeout))
+        refs = []
+        while pgs:  # from here each host owns its reservation (and removes it on failure)
+            pg, node = pgs.pop()
+            host = host_for_node(node)
+            refs.append((host, node, host.restore.remote(snapshot, pg.id.hex())))
+        errors = []
+        for host, node, ref in refs:
+            try:
+                handles.append(SandboxHandle(ray.get(ref), host, node_id=node))
+            except Exception as exc:  # noqa: BLE001 - re-raised below
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+    except BaseException:
+        for pg, _ in pgs:
+            remove_pg(pg.id.hex())
+        if handles:
+            ray.get([h.terminate.remote() for h in handles])
+        raise
+    return handles
+
+
+def fork(
+    handle: SandboxHandle, k: int = 1, *, placement: Placement = "local",
+    timeout: float | None = None,
+) -> builtins.list[SandboxHandle]:
+    """``k`` running copies of a sandbox (snapshot + ``restore``; the snapshot is deleted
+    afterwards). See :func:`restore` for ``placement``."""
+    snap = ray.get(handle.snapshot.remote())
+    try:
+        return restore(snap, k, placement=placement, timeout=timeout)
+    finally:
+        delete_snapshot(snap)
+
+
+def delete_snapshot(snapshot: Snapshot) -> None:
+    """Delete a snapshot from its node and every copy fetched to other nodes. Idempotent."""
+    hosts = all_hosts()
+    if hosts:
+        ray.get([h.delete_snapshot.remote(snapshot.snapshot_id) for h in hosts])
+
+
+def _find_suspended(key: str) -> tuple[Any, Snapshot]:
+    hosts = all_hosts()
+    found = ray.get([h.find_suspended.remote(key) for h in hosts]) if hosts else []
+    for h, snap in zip(hosts, found, strict=True):
+        if snap is not None:
+            return h, snap
+    raise SandboxNotFoundError(f"no suspended sandbox {key!r}")
+
+
+def resume(
+    sandbox: SandboxHandle | str, *, placement: Placement = "any",
+    timeout: float | None = None,
+) -> SandboxHandle:
+    """Bring back a suspended sandbox (by handle, id or name): reserve its resources again
+    (on any node by default), restore it under its old id and name, delete the snapshot."""
+    key = sandbox.sandbox_id if isinstance(sandbox, SandboxHandle) else sandbox
+    _, snap = _find_suspended(key)
+    name = snap.labels.get(NAME_LABEL)
+    pg, node = _reserve(_copy_bundle(snap), node_id=_placement_node(snap, placement),
+                        name=name, timeout=timeout)
     host = host_for_node(node)
-    sid = ray.get(host.create.remote(t.config, pg.id.hex(), name, lifetime == "detached"))
+    sid = ray.get(host.restore.remote(snap, pg.id.hex(), name, snap.labels[SUSPENDED_LABEL]))
+    delete_snapshot(snap)
     return SandboxHandle(sid, host, name=name, node_id=node)
 
 
@@ -147,4 +281,5 @@ def shutdown() -> int:
     return n
 
 
-__all__ = ["create", "create_from_template", "get", "list", "shutdown", "NAMESPACE"]
+__all__ = ["create", "create_from_template", "delete_snapshot", "fork", "get", "list", "restore",
+           "resume", "shutdown", "NAMESPACE"]

@@ -120,6 +120,38 @@ class SandboxHandle:
 
     delete = terminate
 
+    # --- pause, snapshots, copies, suspension ----------------------------------------------
+
+    @property
+    def pause(self) -> _Method:
+        """Freeze every process; exec and file calls raise SandboxStateError until resume."""
+        return _Method(lambda: self._host.pause.remote(self.sandbox_id))
+
+    @property
+    def resume(self) -> _Method:
+        """Thaw a paused sandbox (a suspended one comes back with ``ray_sandbox.resume``)."""
+        return _Method(lambda: self._host.resume.remote(self.sandbox_id))
+
+    @property
+    def snapshot(self) -> _Method:
+        """``snapshot.remote()`` -> ObjectRef[Snapshot]; the sandbox keeps running. Restore it
+        with ``ray_sandbox.restore``; delete it with ``ray_sandbox.delete_snapshot``."""
+        return _Method(lambda: self._host.snapshot.remote(self.sandbox_id))
+
+    @property
+    def suspend(self) -> _Method:
+        """Checkpoint to disk, delete the container and release the Ray reservation; status
+        becomes SUSPENDED until ``ray_sandbox.resume(handle or name)``."""
+        return _Method(lambda: self._host.suspend.remote(self.sandbox_id))
+
+    def fork(self, k: int = 1, *, placement: str = "local",
+             timeout: float | None = None) -> list[SandboxHandle]:
+        """``k`` running copies, each with its own reservation (blocks until all are ready;
+        see ``ray_sandbox.fork``)."""
+        from .api import fork
+
+        return fork(self, k, placement=placement, timeout=timeout)
+
     # --- files inside the sandbox ----------------------------------------------------------
 
     def _file(self, op: str) -> _Method:

@@ -9,6 +9,7 @@ sandbox is deleted, and when a sandbox ends (delete, TTL) its placement group is
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -22,13 +23,16 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from ..runtime import SandboxRuntime
 from ..runtime.agent.client import AgentProcess
 from ..runtime.config import SandboxConfig
-from ..runtime.errors import SandboxError, SandboxNotFoundError
-from ..runtime.results import ExecResult, SandboxStatus
+from ..runtime.errors import SandboxError, SandboxNotFoundError, SandboxStateError
+from ..runtime.results import ExecResult, SandboxState, SandboxStatus
+from ..runtime.snapshot import Snapshot, SnapshotDir
 from . import metrics
 
 NAMESPACE = "ray_sandbox"
 PG_LABEL = "ray-sandbox/placement-group"
 NAME_LABEL = "ray-sandbox/name"
+BUNDLE_LABEL = "ray-sandbox/bundle"  # snapshot label: the source's Ray reservation (JSON)
+SUSPENDED_LABEL = "ray-sandbox/suspended"  # snapshot label: id of the sandbox it suspends
 _WATCH_INTERVAL = 1.0
 _CHUNK = 4 << 20
 
@@ -63,6 +67,7 @@ class SandboxHost:
         self._lock = threading.Lock()
         self._pgs: dict[str, str] = {}
         self._procs: dict[str, AgentProcess] = {}
+        self._fetching: dict[str, threading.Lock] = {}
         self._reap_previous()
         threading.Thread(target=self._watch, name="ray-sandbox-pg-watch", daemon=True).start()
 
@@ -146,6 +151,102 @@ class SandboxHost:
                     except SandboxError:
                         pass
 
+    # --- pause, snapshot, restore, suspend ---------------------------------------------------
+
+    def pause(self, sandbox_id: str) -> None:
+        self._rt.pause(sandbox_id)
+
+    def resume(self, sandbox_id: str) -> None:
+        if self.find_suspended(sandbox_id) is not None:
+            raise SandboxStateError(
+                "sandbox is suspended: bring it back with ray_sandbox.resume(name or handle)",
+                sandbox_id=sandbox_id,
+            )
+        self._rt.resume(sandbox_id)
+
+    def snapshot(self, sandbox_id: str, labels: dict[str, str] | None = None,
+                 detach: bool = False) -> Snapshot:
+        """A snapshot on this node, labelled with the sandbox's Ray reservation so copies
+        reserve the same. Owned by this host unless ``detach``."""
+        with self._lock:
+            pg_hex = self._pgs.get(sandbox_id)
+        extra = dict(labels or {})
+        if pg_hex:
+            info = placement_group_table(_pg(pg_hex)) or {}
+            bundles = info.get("bundles") or {}
+            if bundles:
+                extra[BUNDLE_LABEL] = json.dumps(next(iter(bundles.values())))
+        snap = self._rt.snapshot(sandbox_id, labels=extra, detach=detach)
+        snap = snap.model_copy(update={"node_id": self.node_id})
+        SnapshotDir(self._rt.snapshots_dir / snap.snapshot_id).write(snap)
+        return snap
+
+    def restore(self, snapshot: Snapshot, pg_hex: str, name: str | None = None,
+                sandbox_id: str | None = None) -> str:
+        """One copy of ``snapshot`` under the reservation ``pg_hex`` (fetched from the node
+        that holds it first, if that is another node)."""
+        try:
+            self._ensure_local(snapshot)
+            labels = {k: v for k, v in snapshot.config.get("labels", {}).items()
+                      if k not in (PG_LABEL, NAME_LABEL)}
+            labels[PG_LABEL] = pg_hex
+            if name:
+                labels[NAME_LABEL] = name
+            ids = [sandbox_id] if sandbox_id else None
+            sid = self._rt.restore(snapshot, 1, labels=labels, sandbox_ids=ids)[0]
+        except BaseException:
+            remove_pg(pg_hex)
+            raise
+        with self._lock:
+            self._pgs[sid] = pg_hex
+        metrics.set_live(self.node_id, len(self._pgs))
+        return sid
+
+    def _ensure_local(self, snap: Snapshot) -> None:
+        """Copy a snapshot held by another node into this node's store (once; the copy is
+        owned by this host and deleted with the snapshot)."""
+        if snap.node_id in (None, self.node_id):
+            return
+        with self._lock:
+            lock = self._fetching.setdefault(snap.snapshot_id, threading.Lock())
+        with lock:
+            if self._rt.has_snapshot(snap.snapshot_id):
+                return
+            source = host_for_node(snap.node_id)
+            gen = source.snapshot_stream.options(num_returns="streaming").remote(
+                snap.snapshot_id)
+            self._rt.import_snapshot(ray.get(ref) for ref in gen)
+
+    def snapshot_stream(self, snapshot_id: str) -> Iterator[bytes]:
+        """The snapshot's files as a tar stream (for a restore on another node)."""
+        yield from self._rt.export_snapshot(snapshot_id)
+
+    def delete_snapshot(self, snapshot_id: str) -> None:
+        self._rt.delete_snapshot(snapshot_id)
+
+    def snapshot_size(self, snapshot_id: str) -> int:
+        return self._rt.get_snapshot(snapshot_id).size_bytes
+
+    def suspend(self, sandbox_id: str) -> Snapshot:
+        """Checkpoint to disk, delete the sandbox, release its reservation. The snapshot
+        outlives this host process (detached) until the sandbox is resumed or deleted."""
+        rec = self._rt.record(sandbox_id)
+        labels = {SUSPENDED_LABEL: sandbox_id}
+        name = rec.config.get("labels", {}).get(NAME_LABEL)
+        if name:
+            labels[NAME_LABEL] = name
+        snap = self.snapshot(sandbox_id, labels=labels, detach=True)
+        self.delete(sandbox_id)
+        return snap
+
+    def find_suspended(self, key: str) -> Snapshot | None:
+        """The suspension snapshot of the sandbox with this id or name, if on this node."""
+        for snap in self._rt.list_snapshots():
+            lbl = snap.labels
+            if SUSPENDED_LABEL in lbl and key in (lbl[SUSPENDED_LABEL], lbl.get(NAME_LABEL)):
+                return snap
+        return None
+
     def list(self, labels: dict[str, str] | None = None) -> list[tuple[str, dict[str, str]]]:
         out = []
         for sid in self._rt.list(labels=labels):
@@ -160,6 +261,10 @@ class SandboxHost:
         return ids[0] if ids else None
 
     def status(self, sandbox_id: str) -> SandboxStatus:
+        with self._lock:
+            live = sandbox_id in self._pgs
+        if not live and self.find_suspended(sandbox_id) is not None:
+            return SandboxStatus(sandbox_id=sandbox_id, state=SandboxState.SUSPENDED)
         return self._rt.get_status(sandbox_id)
 
     # --- exec ------------------------------------------------------------------------------

@@ -56,7 +56,9 @@ from .snapshot import (
     SnapshotDir,
     SnapshotNotFoundError,
     copy_tree,
+    pack,
     rewrite_paths,
+    unpack,
 )
 from .spec import Spec
 
@@ -703,6 +705,7 @@ class SandboxRuntime:
         with self._lock:
             self._records[sandbox_id] = rec
             self._owned.add(sandbox_id)
+            self._tombstones.pop(sandbox_id, None)  # a suspended sandbox back under its id
             if rec.ttl_deadline is not None:
                 self._schedule_ttl(sandbox_id, rec.ttl_deadline)
         if on_restore is not None:
@@ -740,12 +743,46 @@ class SandboxRuntime:
     def get_snapshot(self, snapshot_id: str) -> Snapshot:
         return self._snapshot_dir(snapshot_id)[0]
 
+    def has_snapshot(self, snapshot_id: str) -> bool:
+        return bool(_ID_RE.match(snapshot_id)) and (
+            self.snapshots_dir / snapshot_id / "snapshot.json").exists()
+
+    def export_snapshot(self, snapshot_id: str) -> Iterator[bytes]:
+        """The snapshot's files as a tar stream, for :meth:`import_snapshot` on another node."""
+        snap, sd = self._snapshot_dir(snapshot_id)
+        sd.verify(snap)
+        return pack(sd.path)
+
+    def import_snapshot(self, chunks: Iterable[bytes], *, detach: bool = False) -> Snapshot:
+        """Store a snapshot exported on another node (same id); owned by this process unless
+        ``detach``. A damaged stream leaves nothing behind."""
+        tmp = self.snapshots_dir / f".import-{uuid.uuid4().hex}"
+        unpack(chunks, tmp)
+        try:
+            sd = SnapshotDir(tmp)
+            snap = json.loads(sd.meta.read_text()).get("snapshot_id", "")
+            snap = sd.load(snap)
+            sd.verify(snap)
+            dest = self.snapshots_dir / snap.snapshot_id
+            snap = snap.model_copy(update={
+                "path": str(dest),
+                "owner_pid": None if detach else os.getpid(),
+                "owner_start": None if detach else _process_start(os.getpid()),
+            })  # fmt: skip
+            sd.write(snap)
+            os.replace(tmp, dest)
+            return snap
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
     def _gc_snapshots(self) -> list[str]:
         """Snapshots whose owner died, and partial ones (no snapshot.json) older than a
         minute (a snapshot being taken is younger)."""
         removed = []
         for d in sorted(self.snapshots_dir.iterdir()):
             if not _ID_RE.match(d.name):
+                if d.name.startswith(".import-") and time.time() - d.stat().st_mtime > 60:
+                    shutil.rmtree(d, ignore_errors=True)  # an import whose process died
                 continue
             sd = SnapshotDir(d)
             try:

@@ -105,10 +105,13 @@ class SnapshotDir:
             "digests": {n: _sha256(self.image / n) for n in _HASHED},
             "size_bytes": tree_size(self.path),
         })  # fmt: skip
+        self.write(snap)
+        return snap
+
+    def write(self, snap: Snapshot) -> None:
         tmp = self.meta.with_suffix(".tmp")
         tmp.write_text(snap.model_dump_json())
         os.replace(tmp, self.meta)
-        return snap
 
     def verify(self, snap: Snapshot) -> None:
         """Raises :class:`SnapshotCorruptError` if an image file is missing or changed."""

@@ -1,0 +1,183 @@
+"""Snapshots, fork, suspend/resume and the branching-rollout helper through Ray, on a local
+two-node cluster (``ray.cluster_utils.Cluster``) whose nodes keep their sandboxes and
+snapshots in separate homes, so a cross-node restore really ships the files.
+(Issue 7: pause, resume, snapshot, fork and suspend.)"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from ray_sandbox.actor import api
+from ray_sandbox.actor.rollout import branching_rollout
+from ray_sandbox.runtime import SandboxState
+from ray_sandbox.runtime.paths import images
+from tests.fx_runtime import leftovers
+
+COUNTER = ("i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.05; done")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, default_image, busybox_image):
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from ray_sandbox.runtime import SandboxRuntime
+
+    homes = [tmp_path_factory.mktemp(f"rsb-node{i}") for i in range(2)]
+    old = {k: os.environ.get(k) for k in ("RAY_SANDBOX_HOME", "RAY_SANDBOX_IMAGES")}
+    os.environ["RAY_SANDBOX_IMAGES"] = str(images())
+    c = Cluster()
+    try:
+        for i, home in enumerate(homes):
+            os.environ["RAY_SANDBOX_HOME"] = str(home)  # the node's processes inherit it
+            c.add_node(num_cpus=2, resources={f"node{i}": 1},
+                       object_store_memory=150 * 2**20, include_dashboard=False)
+        ray.init(address=c.address, log_to_driver=False)
+        by_res = {next(r for r in n["Resources"] if r.startswith("node") and r[4:].isdigit()):
+                  n["NodeID"] for n in ray.nodes() if n["Alive"]}  # fmt: skip
+        yield ray, homes, [by_res["node0"], by_res["node1"]]
+        api.shutdown()
+        ray.shutdown()
+    finally:
+        c.shutdown()
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    for home in homes:
+        SandboxRuntime(home, reap=True)  # anything a killed host left behind
+        assert leftovers(home) == {}, leftovers(home)
+        assert list((home / "snapshots").iterdir()) == []
+
+
+def _counter(ray, sb) -> int:
+    return int(ray.get(sb.exec.remote("cat /tmp/counter")).stdout.strip() or 0)
+
+
+def _advances(ray, sb, timeout: float = 30) -> bool:
+    start = _counter(ray, sb)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if _counter(ray, sb) > start:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _cpu(ray) -> float:
+    return ray.available_resources().get("CPU", 0.0)
+
+
+def _wait_cpu(ray, want: float, timeout: float = 15) -> float:
+    """Resource views update asynchronously after placement groups change."""
+    deadline = time.monotonic() + timeout
+    while abs(_cpu(ray) - want) > 1e-6 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return _cpu(ray)
+
+
+def test_fork_same_node_keeps_state_and_reserves_each_child(cluster):
+    ray, _, nodes = cluster
+    total = _wait_cpu(ray, 4.0)
+    sb = api.create(image="ray-sandbox/python", cpu=0.5, memory="256Mi", node_id=nodes[0])
+    try:
+        ray.get(sb.write_file.remote("/app/state.txt", "parent"))
+        ray.get(sb.spawn.remote(["/bin/sh", "-c", COUNTER]))
+        assert _advances(ray, sb)
+        kids = sb.fork(2)
+        try:
+            assert _wait_cpu(ray, total - 1.5) == pytest.approx(total - 1.5)
+            for kid in kids:
+                assert kid.node_id == nodes[0] and kid.sandbox_id != sb.sandbox_id
+                assert ray.get(kid.read_file.remote("/app/state.txt")) == b"parent"
+                assert _counter(ray, kid) > 0 and _advances(ray, kid)
+            ray.get(kids[0].write_file.remote("/app/state.txt", "child0"))
+            assert ray.get(kids[1].read_file.remote("/app/state.txt")) == b"parent"
+            assert ray.get(sb.read_file.remote("/app/state.txt")) == b"parent"
+        finally:
+            ray.get([k.terminate.remote() for k in kids])
+        assert _wait_cpu(ray, total - 0.5) == pytest.approx(total - 0.5)
+    finally:
+        ray.get(sb.terminate.remote())
+
+
+def test_restore_on_another_node_ships_the_snapshot(cluster):
+    ray, homes, nodes = cluster
+    sb = api.create(image="ray-sandbox/busybox", cpu=0.2, memory="128Mi", node_id=nodes[0])
+    try:
+        ray.get(sb.exec.remote("echo remote > /root/r"))
+        snap = ray.get(sb.snapshot.remote())
+        assert snap.node_id == nodes[0] and snap.size_bytes > 0
+        (child,) = api.restore(snap, 1, placement=nodes[1])
+        (local,) = api.restore(snap, 1)
+        try:
+            assert child.node_id == nodes[1] and local.node_id == nodes[0]
+            assert ray.get(child.exec.remote("cat /root/r")).stdout == "remote\n"
+            assert (homes[1] / "snapshots" / snap.snapshot_id / "snapshot.json").exists()
+        finally:
+            ray.get([child.terminate.remote(), local.terminate.remote()])
+        api.delete_snapshot(snap)
+        for home in homes:
+            assert not (home / "snapshots" / snap.snapshot_id).exists()
+    finally:
+        ray.get(sb.terminate.remote())
+
+
+def test_suspend_frees_the_reservation_and_resume_takes_it_again(cluster):
+    ray, _, nodes = cluster
+    total = _wait_cpu(ray, 4.0)
+    sb = api.create(image="ray-sandbox/busybox", cpu=1.0, memory="128Mi", name="sleeper",
+                    node_id=nodes[0])
+    ray.get(sb.exec.remote("echo kept > /root/k"))
+    assert _wait_cpu(ray, total - 1.0) == pytest.approx(total - 1.0)
+    ray.get(sb.suspend.remote())
+    assert ray.get(sb.status.remote()).state == SandboxState.SUSPENDED
+    assert _wait_cpu(ray, total) == pytest.approx(total)
+    back = api.resume("sleeper", placement=nodes[1])
+    try:
+        assert back.sandbox_id == sb.sandbox_id and back.node_id == nodes[1]
+        assert _wait_cpu(ray, total - 1.0) == pytest.approx(total - 1.0)
+        assert ray.get(back.exec.remote("cat /root/k")).stdout == "kept\n"
+        assert api.get("sleeper").sandbox_id == sb.sandbox_id
+        assert ray.get(back.status.remote()).state == SandboxState.RUNNING
+    finally:
+        ray.get(back.terminate.remote())
+
+
+def test_pause_and_resume_through_the_handle(cluster):
+    ray, _, nodes = cluster
+    from ray_sandbox.runtime.errors import SandboxStateError
+
+    sb = api.create(image="ray-sandbox/busybox", cpu=0.2, memory="64Mi", node_id=nodes[1])
+    try:
+        ray.get(sb.pause.remote())
+        assert ray.get(sb.status.remote()).state == SandboxState.PAUSED
+        with pytest.raises(SandboxStateError):
+            ray.get(sb.exec.remote("true"))
+        ray.get(sb.resume.remote())
+        assert ray.get(sb.exec.remote("echo ok")).stdout == "ok\n"
+    finally:
+        ray.get(sb.terminate.remote())
+
+
+def test_branching_rollout_runs_the_prefix_once(cluster):
+    ray, _, nodes = cluster
+
+    def turn(sb, i: int, branch: int | None) -> str:
+        tag = "p" if branch is None else f"b{branch}"
+        return ray.get(sb.exec.remote(f"echo {tag}{i} >> /tmp/log; cat /tmp/log")).stdout
+
+    sb = api.create(image="ray-sandbox/busybox", cpu=0.2, memory="64Mi", node_id=nodes[0])
+    try:
+        tree = branching_rollout(sb, turn, total_turns=5, branch_at=3, k=3)
+    finally:
+        ray.get(sb.terminate.remote())
+    assert tree.turns_executed == 3 + 3 * (5 - 3) == 9
+    assert tree.linear_turns == 15 and tree.turns_saved == 6
+    assert tree.prefix[-1].split() == ["p0", "p1", "p2"]
+    for b, results in enumerate(tree.branches):
+        assert results[-1].split() == ["p0", "p1", "p2", f"b{b}3", f"b{b}4"]
