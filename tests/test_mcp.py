@@ -79,7 +79,7 @@ async def every_tool(client: Client) -> None:
 
 @pytest.fixture
 def server(runtime: SandboxRuntime) -> Iterator[SandboxMCPServer]:
-    yield SandboxMCPServer(MCPServerConfig(max_output_bytes=1000), runtime)
+    yield SandboxMCPServer(MCPServerConfig(max_output_bytes=1000, max_file_bytes=1500), runtime)
     assert runtime.list() == [], "a session's sandbox outlived the client"
 
 
@@ -92,6 +92,10 @@ def test_in_process_client_calls_every_tool(server: SandboxMCPServer) -> None:
             assert binary["truncated"] and len(binary["stdout"]) == 1000
             read = await call(client, "read_file", path="b.bin")
             assert (read["encoding"], read["content"]) == ("base64", "//4=")
+            await call(client, "run_shell", command="head -c 5000 /dev/zero | tr '\\0' a > big")
+            big = await call(client, "read_file", path="big")
+            assert (big["content"], big["size"], big["truncated"]) == ("a" * 1500, 5000, True)
+            assert (await call(client, "read_file", path="b.bin"))["size"] == 2  # still served
 
     run(main)
 
