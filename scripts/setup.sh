@@ -75,7 +75,32 @@ want=$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   log "installing ray_sandbox and its dev dependencies into $VENV"
   "$VENV/bin/python" -m pip install -q --upgrade pip
-  "$VENV/bin/python" -m pip install -q -e "$ROOT[dev]"
+  "$VENV/bin/python" -m pip install -q -e "$ROOT[dev,mcp]"
   echo "$want" > "$stamp"
 fi
+# Harbor needs Python >= 3.12 and stays out of the core venv. Debian 12 ships only 3.11, so
+# this venv exists only where a newer interpreter does (Debian 13, pyenv); its tests skip
+# otherwise and say why.
+HARBOR_VENV=${RAY_SANDBOX_HARBOR_VENV:-$ROOT/.venv-harbor}
+harbor_py=""
+for py in python3.13 python3.12 /root/.pyenv/versions/3.1[2-9]*/bin/python; do
+  if command -v "$py" >/dev/null 2>&1 \
+      && "$py" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
+    harbor_py=$py
+    break
+  fi
+done
+if [ -n "$harbor_py" ]; then
+  [ -x "$HARBOR_VENV/bin/python" ] || "$harbor_py" -m venv "$HARBOR_VENV"
+  hstamp="$HARBOR_VENV/.ray_sandbox-installed"
+  if [ "$(cat "$hstamp" 2>/dev/null)" != "$want" ]; then
+    log "installing ray_sandbox[harbor] into $HARBOR_VENV ($("$harbor_py" -V 2>&1))"
+    "$HARBOR_VENV/bin/python" -m pip install -q --upgrade pip
+    "$HARBOR_VENV/bin/python" -m pip install -q -e "$ROOT[harbor]"
+    echo "$want" > "$hstamp"
+  fi
+else
+  log "no Python >= 3.12: $HARBOR_VENV not built; tests/test_harbor.py will be skipped"
+fi
+
 log "ready: runsc $(runsc --version | awk '/runsc version/{print $3}'), python $("$VENV/bin/python" -V 2>&1)"

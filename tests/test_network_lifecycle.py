@@ -200,3 +200,36 @@ def test_gc_leaves_other_homes_alone(tmp_path: Path, upstream, net_home: Path,
     finally:
         monkeypatch.setenv("RAY_SANDBOX_HOME", str(net_home))
         network.detach(sid, tmp_path / sid)
+
+
+def test_dns_helper_survives_a_reload_signal_sent_at_once(tmp_path):
+    """A SIGHUP (policy change) that arrives before the helper installed its handler must
+    not kill it: set_egress right after attach used to leave the sandbox without DNS."""
+    import json
+    import signal
+    import socket
+    import time
+
+    from ray_sandbox.network import dns
+    from ray_sandbox.runtime import _proc
+
+    (tmp_path / "policy.json").write_text(json.dumps({"allow_domains": [], "default": "allow"}))
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    udp.bind(("127.0.0.1", 0))
+    tcp.bind(("127.0.0.1", 0))
+    tcp.listen()
+    cfg = {"table": "rsb-000000000000", "nft_netns": None, "upstreams": [],
+           "policy_path": str(tmp_path / "policy.json"), "cache_path": str(tmp_path / "c.json"),
+           "udp_fd": udp.fileno(), "tcp_fd": tcp.fileno()}
+    with udp, tcp:
+        proc = dns.start(tag="rsb-000000000000", config=cfg, state_dir=tmp_path,
+                         upstream=None, fds=[udp.fileno(), tcp.fileno()])
+    try:
+        proc.send_signal(signal.SIGHUP)  # at once: the interpreter is still starting
+        time.sleep(1.5)
+        assert proc.poll() is None, (tmp_path / "dns.log").read_text()
+    finally:
+        proc.kill()
+        proc.wait()
+        _proc.forget(proc)

@@ -255,8 +255,14 @@ def start(
     path = state_dir / "dns.json"
     path.write_text(json.dumps(config))
     argv = [*_netns.enter(upstream), sys.executable, "-m", MODULE, str(path), "--tag", tag]
-    with open(state_dir / "dns.log", "ab") as log:
-        return _proc.spawn(argv, stdout=log, stderr=log, pass_fds=fds)
+    # SIGHUP (policy reload) may come before the helper has installed its handler; blocked
+    # across exec it stays pending until main() unblocks it, instead of killing the helper.
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+    try:
+        with open(state_dir / "dns.log", "ab") as log:
+            return _proc.spawn(argv, stdout=log, stderr=log, pass_fds=fds)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def main(argv: Sequence[str]) -> None:
@@ -264,6 +270,7 @@ def main(argv: Sequence[str]) -> None:
     hup = threading.Event()
     signal.signal(signal.SIGHUP, lambda *_: hup.set())
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP, signal.SIGTERM})
     pool = ThreadPoolExecutor(max_workers=16)
     threading.Thread(target=helper.serve_udp, args=(pool,), daemon=True).start()
     threading.Thread(target=helper.serve_tcp, daemon=True).start()
