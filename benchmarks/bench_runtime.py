@@ -52,6 +52,23 @@ def _ops_per_s(fn, workers: int, seconds: float) -> float:
     return sum(counts) / seconds
 
 
+def _cpu_per_op(rt: SandboxRuntime, sid: str, fn, n: int) -> tuple[float, float]:
+    """CPU milliseconds per call: (inside the sandbox's cgroup, this process + children).
+    CPU time, unlike wall time, barely moves when other work shares the machine."""
+    usage = Path(f"/sys/fs/cgroup/cpuacct/{sid}/cpuacct.usage")
+
+    def host() -> float:
+        r, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(
+            resource.RUSAGE_CHILDREN)
+        return r.ru_utime + r.ru_stime + c.ru_utime + c.ru_stime
+
+    fn()
+    c0, h0 = int(usage.read_text()), host()
+    for _ in range(n):
+        fn()
+    return (int(usage.read_text()) - c0) / n / 1e6, (host() - h0) / n * 1000
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -70,7 +87,7 @@ def main() -> None:
         rows.append(measure("create→ready (ours)", create, max(5, n // 4), warmup=1))
         rows.append(measure("delete (ours)", lambda: rt.delete(ids.pop()), max(5, n // 4),
                             warmup=0))
-        sid = rt.create(image="ray-sandbox/busybox", memory="256Mi", cpu=2)
+        sid = rt.create(image="ray-sandbox/busybox", memory="1Gi", cpu=2)
         bundle = _baseline_bundle(rt, sid, tmp)
         base_ids: list[str] = []
 
@@ -89,6 +106,13 @@ def main() -> None:
         rows.append(measure("exec true (ours)", lambda: rt.exec(sid, ["/bin/true"]), n * 5))
         rows.append(measure("exec true (baseline runsc exec)",
                             lambda: rt.runsc.exec(sid, ["/bin/true"], timeout=30), n))
+        for label, fn in (("ours", lambda: rt.exec(sid, ["/bin/true"])),
+                          ("baseline runsc exec",
+                           lambda: rt.runsc.exec(sid, ["/bin/true"], timeout=30))):
+            inside, outside = _cpu_per_op(rt, sid, fn, n * 2)
+            rows.append({"label": f"CPU per exec true ({label})",
+                         "sandbox_cpu_ms": round(inside, 2), "host_cpu_ms": round(outside, 2),
+                         "total_cpu_ms": round(inside + outside, 2)})
         kib = os.urandom(1024)
         rows.append(measure("write 1 KiB (ours)", lambda: rt.write_file(sid, "/tmp/k", kib),
                             n * 5))
