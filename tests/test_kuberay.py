@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -435,3 +436,110 @@ def test_dockerfile_venv_is_on_path_for_login_shells() -> None:
     venv = re.search(r"RAY_SANDBOX_VENV=(\S+)", env).group(1)
     assert f"PATH={venv}/bin:" in env
     assert any(op == "RUN" and "/etc/profile.d/" in a and f"{venv}/bin" in a for op, a in ops)
+
+
+# --- heavy: the Dockerfile replayed without a Docker engine ----------------------------------
+
+_IGNORE = [line.strip() for line in (KUBERAY / "Dockerfile.dockerignore").read_text().splitlines()
+           if line.strip() and not line.startswith("#")]
+
+
+def _ignored(rel: str) -> bool:
+    from fnmatch import fnmatch
+
+    return any(fnmatch(rel, p) or fnmatch(rel, p.removeprefix("**/"))
+               or any(fnmatch(part, p.removeprefix("**/")) for part in rel.split("/"))
+               for p in _IGNORE)
+
+
+def _copy_context(src: str, dest: Path) -> None:
+    """COPY <src> <dest> from the repository, minus what the dockerignore file drops."""
+    import shutil
+
+    path = REPO / src.rstrip("/")
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    for f in files:
+        rel = f.relative_to(REPO).as_posix()
+        if _ignored(rel):
+            continue
+        target = dest / f.name if path.is_file() else dest / f.relative_to(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(f, target)
+
+
+def replay_script(rootfs: Path) -> str:
+    """Bash that replays kuberay/Dockerfile's ENV and RUN steps on ``rootfs`` (COPY is done by
+    the caller) and then, with the tree pivoted to as root like a container's, runs sandboxes.
+    Any instruction it does not know fails the test, so the replay follows the Dockerfile."""
+    env: dict[str, str] = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                           "HOME": "/root"}
+    lines = ["set -euo pipefail", f"R={shlex.quote(str(rootfs))}",
+             "mount -t proc proc $R/proc", "mount --rbind /sys $R/sys",
+             "mount --rbind /dev $R/dev"]
+    build_ca = next((os.environ[v] for v in ("PIP_CERT", "SSL_CERT_FILE") if v in os.environ),
+                    None)
+    if build_ca:  # a build network that intercepts TLS (this workplace); not part of the image
+        lines.append(f"cp {shlex.quote(build_ca)} $R/tmp/build-ca.crt")
+    for op, args in dockerfile_instructions():
+        if op == "ENV":
+            for k, v in (kv.split("=", 1) for kv in shlex.split(args)):
+                env[k] = re.sub(r"\$(\w+)|\$\{(\w+)\}",
+                                lambda m: env.get(m.group(1) or m.group(2), ""), v)
+        elif op == "RUN":
+            run_env = {**env, **({"PIP_CERT": "/tmp/build-ca.crt"} if build_ca else {})}
+            assigns = " ".join(f"{k}={shlex.quote(v)}" for k, v in run_env.items())
+            lines.append(f"chroot $R /usr/bin/env -i {assigns} /bin/sh -c {shlex.quote(args)}")
+        elif op not in ("ARG", "FROM", "COPY", "WORKDIR"):
+            raise AssertionError(f"the replay does not know {op}; teach it")
+    smoke = ("umount -l /.oldroot && cd / && ray-sandbox image build busybox >/dev/null"
+             " && ray-sandbox run -i ray-sandbox/busybox -- echo sandbox-in-image"
+             " && ray-sandbox run -i ray-sandbox/busybox --network public -- ip -o addr"
+             " && ray-sandbox gc && bash -lc 'command -v ray'")
+    assigns = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+    # rbind: a plain bind of $R onto itself would hide the proc/sys/dev mounts beneath it.
+    lines += ["mount --rbind $R $R", "mkdir -p $R/.oldroot", "cd $R",
+              "pivot_root . .oldroot",
+              f"exec /usr/bin/env -i {assigns} /bin/bash -c {shlex.quote(smoke)}"]
+    return "\n".join(lines)
+
+
+@pytest.mark.heavy
+@pytest.mark.skipif(not os.environ.get("RAY_SANDBOX_HEAVY"), reason="heavy: RAY_SANDBOX_HEAVY=1")
+@pytest.mark.timeout(1800)
+def test_dockerfile_replayed_on_debian_runs_sandboxes(tmp_path: Path) -> None:
+    """No Docker engine here: build the base with mmdebstrap (minbase, deb822 sources like the
+    debian:*-slim images), COPY from the repository through the dockerignore file, run every
+    RUN with the Dockerfile's ENV in a chroot, then pivot into the tree (as a privileged
+    container's root) and run sandboxes with network none and public. Needs Debian's mirror
+    and PyPI; ~3 min."""
+    ops = dockerfile_instructions()
+    args = dict(a.split("=", 1) for op, a in ops if op == "ARG" and "=" in a)
+    (base,) = [re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], a.split()[0])
+               for op, a in ops if op == "FROM"]
+    codename = re.match(r"debian:(\w+)(-slim)?$", base).group(1)
+    rootfs = tmp_path / "rootfs"
+    sources = (f"Types: deb\\nURIs: http://deb.debian.org/debian\\n"
+               f"Suites: {codename} {codename}-updates\\nComponents: main\\n"
+               "Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg\\n")
+    subprocess.run(["mmdebstrap", "--quiet", "--variant=minbase", "--mode=root",
+                    f"--customize-hook=rm -f \"$1/etc/apt/sources.list\"; printf '{sources}' > "
+                    "\"$1/etc/apt/sources.list.d/debian.sources\"", codename, str(rootfs)],
+                   check=True, timeout=900)
+    for op, a in ops:
+        if op == "COPY":
+            *srcs, dest = a.split()
+            for src in srcs:
+                _copy_context(src, rootfs / dest.lstrip("/"))
+    script = tmp_path / "replay.sh"
+    script.write_text(replay_script(rootfs))
+    try:  # mounts live in the private mount namespace and end with it
+        res = subprocess.run(["unshare", "-m", "--propagation", "private", "bash", str(script)],
+                             capture_output=True, text=True, timeout=1500)
+    finally:
+        import shutil
+
+        shutil.rmtree(rootfs, ignore_errors=True)  # ~1 GiB: pytest keeps its tmp dirs
+    assert res.returncode == 0, res.stdout[-2000:] + "\n--- stderr ---\n" + res.stderr[-2000:]
+    assert "sandbox-in-image" in res.stdout
+    assert "tap0" in res.stdout  # network="public": slirp4netns inside the image works
+    assert res.stdout.strip().endswith("/opt/ray_sandbox/venv/bin/ray")
