@@ -51,7 +51,7 @@ SLOT = "sandbox_slot"  # the custom resource kuberay/raycluster.yaml advertises
 # What one simulated raylet advertises: an n2-standard-32-sized node (docs/scale.md).
 NODE_CPUS = 32
 NODE_MEMORY = 120 * 2**30
-NODE_SLOTS = 400
+NODE_SLOTS = 400  # below the manifest's 1,000, so the 1,000-group burst spans several nodes
 # The bundle create_from_template reserves for a small sandbox, plus the slot.
 BUNDLE = {"CPU": 0.1, "memory": float(256 * 2**20), SLOT: 1.0}
 # The CPU limit of the sandboxes we time. It is a CFS quota on the sandbox's own runsc
