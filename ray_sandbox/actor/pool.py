@@ -21,6 +21,8 @@ from .api import create_from_template
 from .handle import SandboxHandle
 from .template import SandboxTemplate, make_template
 
+_REPLENISH_IN_FLIGHT = 4
+
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -34,28 +36,40 @@ class _PoolActor:
         self._out: set[SandboxHandle] = set()
         self._lock = threading.Condition()
         self._closed = False
+        self._creating = 0
         self.hits = 0
         self.misses = 0
-        threading.Thread(target=self._replenish, name="pool-replenish", daemon=True).start()
+        # Several creates in flight: one at a time warms only ~2 sandboxes/s per pool.
+        self._workers = [
+            threading.Thread(target=self._replenish, name=f"pool-replenish-{i}", daemon=True)
+            for i in range(min(size, _REPLENISH_IN_FLIGHT))
+        ]
+        for t in self._workers:
+            t.start()
 
     def _replenish(self) -> None:
         while True:
             with self._lock:
-                while not self._closed and len(self._warm) >= self.size:
+                while not self._closed and len(self._warm) + self._creating >= self.size:
                     self._lock.wait(timeout=1.0)
                 if self._closed:
                     return
+                self._creating += 1
             try:
                 sb = create_from_template(self.template)
             except SandboxError:
-                time.sleep(1.0)  # e.g. cluster full: try again later
-                continue
+                sb = None
             with self._lock:
-                if self._closed:
-                    ray.get(sb.terminate.remote())
-                    return
-                self._warm.append(sb)
+                self._creating -= 1
+                closed = self._closed
+                if sb is not None and not closed:
+                    self._warm.append(sb)
                 self._lock.notify_all()
+            if sb is None:
+                time.sleep(1.0)  # e.g. cluster full: try again later
+            elif closed:  # close() ran while this one was being created
+                ray.get(sb.terminate.remote())
+                return
 
     def acquire(self) -> SandboxHandle:
         with self._lock:
@@ -97,6 +111,8 @@ class _PoolActor:
         refs = [sb.terminate.remote() for sb in victims]
         if refs:
             ray.get(refs)
+        for t in self._workers:  # in-flight creates delete their sandbox themselves
+            t.join()
 
 
 class SandboxPool:
