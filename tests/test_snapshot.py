@@ -20,6 +20,7 @@ from ray_sandbox.runtime.errors import (
 from ray_sandbox.runtime.runsc import Runsc
 from ray_sandbox.runtime.snapshot import SnapshotCorruptError, SnapshotNotFoundError
 from tests.fx_images import scratch_dir
+from tests.fx_runtime import pids_inside
 
 COUNTER = ["/bin/sh", "-c",
            "i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; echo $i; sleep 0.05; done"]
@@ -149,9 +150,13 @@ def test_children_get_fresh_seed_but_same_process_prng(snap_rt):
         # A process that prints a random number for every line it reads from a FIFO.
         snap_rt.exec(sid, "mkfifo /tmp/in")
         snap_rt.spawn(sid, ["python3", "-c",
-                            "import random\nrandom.seed()\n"
+                            "import random\nrandom.seed()\nopen('/tmp/seeded', 'w')\n"
                             "for line in open('/tmp/in'):\n"
                             "    open('/tmp/r', 'a').write(f'{random.random()}\\n')"])
+        deadline = time.monotonic() + 30
+        while not snap_rt.exists(sid, "/tmp/seeded"):  # seeded before the snapshot
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
         snap = snap_rt.snapshot(sid)
         kids = snap_rt.restore(snap, 2, on_restore="cat /.rsb/run/seed > /tmp/seed-copy")
         snap_rt.delete_snapshot(snap)
@@ -224,3 +229,18 @@ def test_old_runsc_is_refused_by_name(snap_rt, sandbox):
         finally:
             snap_rt.runsc = current
         shutil.rmtree(work / "x")
+
+
+def test_spawned_handle_is_detached_and_warm_python_restarts(snap_rt, sandbox, py_sandbox):
+    proc = snap_rt.spawn(sandbox, ["/bin/sh", "-c", "echo started; sleep 1000"])
+    assert proc.read(timeout=10) == b"started\n"
+    assert snap_rt.run_python(py_sandbox, "x = 41").ok
+    snap_rt.delete_snapshot(snap_rt.snapshot(sandbox))
+    snap_rt.delete_snapshot(snap_rt.snapshot(py_sandbox))
+    with pytest.raises(SandboxStateError, match="detached"):
+        proc.wait(timeout=10)
+    assert "sleep 1000" in snap_rt.exec(sandbox, "ps").stdout  # still running inside
+    res = snap_rt.run_python(py_sandbox, "x")
+    assert "NameError" in (res.exception or "")  # a fresh interpreter
+    # Only the new interpreter: the old one was stopped before the checkpoint.
+    assert len([c for c in pids_inside(snap_rt, py_sandbox) if c.startswith("python3 -u")]) == 1

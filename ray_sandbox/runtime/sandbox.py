@@ -554,6 +554,13 @@ class SandboxRuntime:
         client = self._client(sandbox_id)
         hold = sdir.run / HOLD_FILE
         with client.quiesce(drain_timeout):
+            # Warm interpreters cannot be reached after the hold anyway (their connections
+            # go): stop them before it, so no copy carries an unreachable one.
+            with self._lock:
+                keys = [k for k in self._pycontexts if k[0] == sandbox_id]
+                contexts = [self._pycontexts.pop(k) for k in keys]
+            for ctx in contexts:
+                ctx.close()
             hold.touch()
             try:
                 client.drop_connections()
