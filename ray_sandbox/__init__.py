@@ -31,7 +31,9 @@ _LAZY = {
     name: "ray_sandbox.actor"
     for name in (
         "create", "create_from_template", "get", "list", "shutdown",
-        "SandboxHandle", "SandboxPool", "SandboxTemplate", "make_template",
+        "fork", "restore", "resume", "delete_snapshot", "branching_rollout",
+        "SandboxHandle", "SandboxPool", "SandboxTemplate", "Snapshot", "RolloutTree",
+        "make_template",
     )
 }  # fmt: skip
 

@@ -15,10 +15,11 @@ from ray_sandbox.runtime.errors import (
     SandboxCreationError,
     SandboxNotFoundError,
     SandboxStateError,
+    SnapshotCorruptError,
+    SnapshotNotFoundError,
     ToolMissingError,
 )
 from ray_sandbox.runtime.runsc import Runsc
-from ray_sandbox.runtime.snapshot import SnapshotCorruptError, SnapshotNotFoundError
 from tests.fx_images import scratch_dir
 from tests.fx_runtime import pids_inside
 

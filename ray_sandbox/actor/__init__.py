@@ -1,18 +1,37 @@
-"""Ray-native sandboxes: ``create()``, handles, named sandboxes and warm pools."""
+"""Ray-native sandboxes: ``create()``, handles, named sandboxes, warm pools, snapshots/forks."""
 
-from .api import create, create_from_template, get, list, shutdown
+from ..runtime.snapshot import Snapshot
+from .api import (
+    create,
+    create_from_template,
+    delete_snapshot,
+    fork,
+    get,
+    list,
+    restore,
+    resume,
+    shutdown,
+)
 from .handle import SandboxHandle
 from .pool import SandboxPool
+from .rollout import RolloutTree, branching_rollout
 from .template import SandboxTemplate, make_template
 
 __all__ = [
+    "RolloutTree",
     "SandboxHandle",
     "SandboxPool",
     "SandboxTemplate",
+    "Snapshot",
+    "branching_rollout",
     "create",
     "create_from_template",
+    "delete_snapshot",
+    "fork",
     "get",
     "list",
     "make_template",
+    "restore",
+    "resume",
     "shutdown",
 ]

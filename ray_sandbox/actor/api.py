@@ -37,6 +37,11 @@ def _node_ip(node_id: str) -> str:
     raise ConfigError(f"no live Ray node {node_id}")
 
 
+def _job_id() -> str:
+    """The calling job: its sandboxes die with it, like its placement groups."""
+    return ray.get_runtime_context().get_job_id()
+
+
 def _pg_name(name: str | None, namespace: str | None) -> str:
     return f"ray_sandbox:{namespace or ''}:{name}" if name else ""
 
@@ -107,7 +112,8 @@ def create_from_template(
     pg, node = _reserve(t.bundle, node_id=t.node_id, label_selector=t.label_selector,
                         name=name, namespace=namespace, lifetime=lifetime, timeout=timeout)
     host = host_for_node(node)
-    sid = ray.get(host.create.remote(t.config, pg.id.hex(), name, lifetime == "detached"))
+    sid = ray.get(host.create.remote(t.config, pg.id.hex(), name, lifetime == "detached",
+                                     owner_job=_job_id()))
     return SandboxHandle(sid, host, name=name, node_id=node)
 
 
@@ -186,7 +192,8 @@ def restore(
         while pgs:  # from here each host owns its reservation (and removes it on failure)
             pg, node = pgs.pop()
             host = host_for_node(node)
-            refs.append((host, node, host.restore.remote(snapshot, pg.id.hex())))
+            refs.append((host, node, host.restore.remote(snapshot, pg.id.hex(),
+                                                         owner_job=_job_id())))
         errors = []
         for host, node, ref in refs:
             try:
@@ -245,7 +252,8 @@ def resume(
     pg, node = _reserve(_copy_bundle(snap), node_id=_placement_node(snap, placement),
                         name=name, timeout=timeout)
     host = host_for_node(node)
-    sid = ray.get(host.restore.remote(snap, pg.id.hex(), name, snap.labels[SUSPENDED_LABEL]))
+    sid = ray.get(host.restore.remote(snap, pg.id.hex(), name, snap.labels[SUSPENDED_LABEL],
+                                      owner_job=_job_id()))
     delete_snapshot(snap)
     return SandboxHandle(sid, host, name=name, node_id=node)
 

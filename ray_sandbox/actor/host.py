@@ -9,6 +9,7 @@ sandbox is deleted, and when a sandbox ends (delete, TTL) its placement group is
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -34,6 +35,7 @@ NAME_LABEL = "ray-sandbox/name"
 BUNDLE_LABEL = "ray-sandbox/bundle"  # snapshot label: the source's Ray reservation (JSON)
 SUSPENDED_LABEL = "ray-sandbox/suspended"  # snapshot label: id of the sandbox it suspends
 _WATCH_INTERVAL = 1.0
+_PG_SWEEP = 60.0
 _CHUNK = 4 << 20
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,15 @@ def _pg_gone(pg_hex: str) -> bool:
     return not info or info.get("state") == "REMOVED"
 
 
+def _dead_jobs() -> set[str]:
+    """Ids of finished jobs (one GCS call). ``ray._private.state`` is the only job-table
+    reader that does not need the dashboard."""
+    try:
+        return {j["JobID"] for j in ray._private.state.jobs() if j.get("IsDead")}
+    except Exception:  # noqa: BLE001 - GCS hiccup: nothing is dead this round
+        return set()
+
+
 def remove_pg(pg_hex: str) -> None:
     try:
         remove_placement_group(_pg(pg_hex))
@@ -66,8 +77,12 @@ class SandboxHost:
         self._rt = SandboxRuntime(home, reap=False)
         self._lock = threading.Lock()
         self._pgs: dict[str, str] = {}
+        self._jobs: dict[str, str] = {}  # sandbox id -> owning job id (absent: detached)
         self._procs: dict[str, AgentProcess] = {}
         self._fetching: dict[str, threading.Lock] = {}
+        self._inflight = 0
+        self._closing = False
+        self._idle = threading.Condition(self._lock)
         self._reap_previous()
         threading.Thread(target=self._watch, name="ray-sandbox-pg-watch", daemon=True).start()
 
@@ -94,21 +109,43 @@ class SandboxHost:
     # --- lifecycle -------------------------------------------------------------------------
 
     def create(self, config: SandboxConfig, pg_hex: str, name: str | None,
-               detached: bool) -> str:
+               detached: bool, owner_job: str | None = None) -> str:
         labels = {**config.labels, PG_LABEL: pg_hex}
         if name:
             labels[NAME_LABEL] = name
         t0 = time.perf_counter()
-        try:
+        with self._admitted(pg_hex):
             sid = self._rt.create(config.model_copy(update={"labels": labels}), detach=False)
+            self._adopt(sid, pg_hex, None if detached else owner_job)
+        metrics.observe_create(time.perf_counter() - t0)
+        return sid
+
+    @contextlib.contextmanager
+    def _admitted(self, pg_hex: str) -> Iterator[None]:
+        """Counts a create/restore in flight so ``shutdown`` can wait for it; refuses new ones
+        once shutting down. The reservation is released if the sandbox never comes up."""
+        with self._lock:
+            if self._closing:
+                remove_pg(pg_hex)
+                raise SandboxStateError(f"the sandbox host on {self.node_id} is shutting down")
+            self._inflight += 1
+        try:
+            yield
         except BaseException:
             remove_pg(pg_hex)
             raise
-        metrics.observe_create(time.perf_counter() - t0)
+        finally:
+            with self._lock:
+                self._inflight -= 1
+                self._idle.notify_all()
+
+    def _adopt(self, sid: str, pg_hex: str, owner_job: str | None) -> None:
         with self._lock:
             self._pgs[sid] = pg_hex
-        metrics.set_live(self.node_id, len(self._pgs))
-        return sid
+            if owner_job:
+                self._jobs[sid] = owner_job
+            n = len(self._pgs)
+        metrics.set_live(self.node_id, n)
 
     def delete(self, sandbox_id: str) -> None:
         try:
@@ -116,15 +153,19 @@ class SandboxHost:
         finally:
             with self._lock:
                 pg_hex = self._pgs.pop(sandbox_id, None)
+                self._jobs.pop(sandbox_id, None)
                 for key in [k for k in self._procs if k.startswith(sandbox_id)]:
                     self._procs.pop(key).close()
             if pg_hex:
                 remove_pg(pg_hex)
             metrics.set_live(self.node_id, len(self._pgs))
 
-    def shutdown(self) -> int:
-        """Delete every sandbox on this host (used by ``ray_sandbox.shutdown``)."""
+    def shutdown(self, timeout: float = 60.0) -> int:
+        """Delete every sandbox on this host, including ones whose create was in flight
+        (used by ``ray_sandbox.shutdown``); later creates are refused."""
         with self._lock:
+            self._closing = True
+            self._idle.wait_for(lambda: self._inflight == 0, timeout=timeout)
             ids = list(self._pgs)
         for sid in ids:
             try:
@@ -134,18 +175,29 @@ class SandboxHost:
         return len(ids)
 
     def _watch(self) -> None:
+        """Ends sandboxes whose owner is gone. Each second: one job-table read for all of
+        this node's sandboxes (a job's sandboxes die with it). Every ``_PG_SWEEP`` seconds:
+        each sandbox's placement group (removed by hand, or a detached owner's). One GCS call
+        per sandbox per second would saturate the GCS at ~6-7k sandboxes (docs/scale.md)."""
+        next_sweep = time.monotonic() + _PG_SWEEP
         while True:
             time.sleep(_WATCH_INTERVAL)
             with self._lock:
                 items = list(self._pgs.items())
+                jobs = dict(self._jobs)
             live = set(self._rt.list())
+            dead_jobs = _dead_jobs() if jobs else set()
+            sweep = time.monotonic() >= next_sweep
+            if sweep:
+                next_sweep = time.monotonic() + _PG_SWEEP
             for sid, pg_hex in items:
                 if sid not in live:  # ended by its TTL
                     with self._lock:
                         self._pgs.pop(sid, None)
+                        self._jobs.pop(sid, None)
                     remove_pg(pg_hex)
-                elif _pg_gone(pg_hex):  # owner exited or reservation removed
-                    log.info("placement group of %s is gone; deleting the sandbox", sid)
+                elif jobs.get(sid) in dead_jobs or (sweep and _pg_gone(pg_hex)):
+                    log.info("the owner of %s is gone; deleting the sandbox", sid)
                     try:
                         self.delete(sid)
                     except SandboxError:
@@ -182,10 +234,10 @@ class SandboxHost:
         return snap
 
     def restore(self, snapshot: Snapshot, pg_hex: str, name: str | None = None,
-                sandbox_id: str | None = None) -> str:
+                sandbox_id: str | None = None, owner_job: str | None = None) -> str:
         """One copy of ``snapshot`` under the reservation ``pg_hex`` (fetched from the node
         that holds it first, if that is another node)."""
-        try:
+        with self._admitted(pg_hex):
             self._ensure_local(snapshot)
             labels = {k: v for k, v in snapshot.config.get("labels", {}).items()
                       if k not in (PG_LABEL, NAME_LABEL)}
@@ -194,12 +246,7 @@ class SandboxHost:
                 labels[NAME_LABEL] = name
             ids = [sandbox_id] if sandbox_id else None
             sid = self._rt.restore(snapshot, 1, labels=labels, sandbox_ids=ids)[0]
-        except BaseException:
-            remove_pg(pg_hex)
-            raise
-        with self._lock:
-            self._pgs[sid] = pg_hex
-        metrics.set_live(self.node_id, len(self._pgs))
+            self._adopt(sid, pg_hex, owner_job)
         return sid
 
     def _ensure_local(self, snap: Snapshot) -> None:

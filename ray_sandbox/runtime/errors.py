@@ -15,8 +15,10 @@
     │   └── StoreFullError            no space left for the image store
     ├── SandboxCreationError          a sandbox could not be created (nothing is left behind)
     ├── SandboxNotFoundError          unknown or already deleted sandbox id
+    │   └── SnapshotNotFoundError     unknown, deleted or orphaned snapshot id
     ├── SandboxStateError             operation not allowed in the sandbox's current state
     ├── SandboxDiedError              the sandbox died during the call (OOM kill, crash)
+    ├── SnapshotCorruptError          a snapshot's files are incomplete or damaged
     ├── ExecError                     a command could not be started (bad cwd, user, …)
     ├── SandboxFileError              file operation failed inside the sandbox
     │   ├── SandboxFileNotFoundError  (also FileNotFoundError)
@@ -51,6 +53,8 @@ __all__ = [
     "SandboxCreationError",
     "SandboxNotFoundError",
     "SandboxStateError",
+    "SnapshotNotFoundError",
+    "SnapshotCorruptError",
     "SandboxDiedError",
     "ExecError",
     "SandboxFileError",
@@ -162,6 +166,14 @@ class SandboxNotFoundError(SandboxError, KeyError):
     """No sandbox with this id exists (or it was deleted)."""
 
     __str__ = SandboxError.__str__
+
+
+class SnapshotNotFoundError(SandboxNotFoundError):
+    """No snapshot with this id on the node (never taken, deleted, or its owner died)."""
+
+
+class SnapshotCorruptError(SandboxError):
+    """The snapshot's files are incomplete or damaged; it cannot be restored."""
 
 
 class SandboxStateError(SandboxError):

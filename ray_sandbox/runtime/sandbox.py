@@ -44,6 +44,8 @@ from .errors import (
     SandboxError,
     SandboxNotFoundError,
     SandboxStateError,
+    SnapshotCorruptError,
+    SnapshotNotFoundError,
     ToolMissingError,
     UnsafePathError,
 )
@@ -52,9 +54,7 @@ from .results import ExecResult, FileInfo, FileType, OutputChunk, SandboxState, 
 from .runsc import TARGET_VERSION, Runsc
 from .snapshot import (
     Snapshot,
-    SnapshotCorruptError,
     SnapshotDir,
-    SnapshotNotFoundError,
     copy_tree,
     pack,
     rewrite_paths,

@@ -30,20 +30,12 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from .archive import as_file, member_path
-from .errors import SandboxError, SandboxNotFoundError
+from .errors import SnapshotCorruptError, SnapshotNotFoundError
 
 IMAGE_FILES = ("checkpoint.img", "pages.img", "pages_meta.img")
 _HASHED = ("checkpoint.img", "pages_meta.img")  # small; pages.img is checked by size
 _XATTR_PAX = "SCHILY.xattr."  # how GNU tar and libarchive carry xattrs in pax headers
 _CHUNK = 4 << 20
-
-
-class SnapshotNotFoundError(SandboxNotFoundError):
-    """No snapshot with this id on the node (never taken, deleted, or its owner died)."""
-
-
-class SnapshotCorruptError(SandboxError):
-    """The snapshot's files are incomplete or damaged; it cannot be restored."""
 
 
 class Snapshot(BaseModel):
