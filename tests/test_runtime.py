@@ -216,6 +216,9 @@ def test_files_round_trip(runtime, sandbox, tmp_path):
     runtime.upload_file(sandbox, src, "/tmp/blob")
     runtime.download_file(sandbox, "/tmp/blob", tmp_path / "back")
     assert (tmp_path / "back").read_bytes() == src.read_bytes()
+    runtime.exec(sandbox, "chmod 750 /tmp/blob")
+    runtime.download_file(sandbox, "/tmp/blob", tmp_path / "back")
+    assert (tmp_path / "back").stat().st_mode & 0o777 == 0o750  # mode kept
     assert runtime.exists(sandbox, "/tmp/blob") and not runtime.exists(sandbox, "/tmp/nope")
     with pytest.raises(FileNotFoundError):
         runtime.read_file(sandbox, "/tmp/nope")

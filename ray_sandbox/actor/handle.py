@@ -114,6 +114,12 @@ class SandboxHandle:
     get_status = status
 
     @property
+    def set_egress(self) -> _Method:
+        """``set_egress.remote(EgressPolicy | dict)``: change a networked sandbox's egress
+        policy while it runs."""
+        return _Method(lambda policy: self._host.set_egress.remote(self.sandbox_id, policy))
+
+    @property
     def terminate(self) -> _Method:
         """Delete the sandbox and release its Ray reservation (idempotent)."""
         return _Method(lambda: self._host.delete.remote(self.sandbox_id))

@@ -307,6 +307,9 @@ class SandboxHost:
         ids = self._rt.list(labels={NAME_LABEL: name})
         return ids[0] if ids else None
 
+    def set_egress(self, sandbox_id: str, policy: Any) -> None:
+        self._rt.set_egress(sandbox_id, policy)
+
     def status(self, sandbox_id: str) -> SandboxStatus:
         with self._lock:
             live = sandbox_id in self._pgs

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import heapq
 import json
 import os
@@ -19,12 +20,12 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -32,7 +33,7 @@ from . import _mount, _subreaper, archive, bundle, paths
 from .agent.client import AgentClient, AgentProcess
 from .agent.pyrepl import PythonContext, PythonResult
 from .bundle import SandboxDir
-from .config import SandboxConfig, make_config
+from .config import EgressPolicy, SandboxConfig, make_config
 from .errors import (
     CommandError,
     ConfigError,
@@ -62,6 +63,7 @@ from .snapshot import (
 )
 from .spec import Spec
 
+T = TypeVar("T")
 _ID_RE = re.compile(r"^[0-9a-f]{32}$")
 _READY_TIMEOUT = 20.0
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -161,15 +163,34 @@ def _cgroup_dirs(sandbox_id: str) -> list[Path]:
 
 
 def _oom_killed(sandbox_id: str) -> bool:
-    try:
-        text = (_CGROUP_ROOT / "memory" / sandbox_id / "memory.oom_control").read_text()
-    except OSError:
-        return False
-    for line in text.splitlines():
-        k, _, v = line.partition(" ")
-        if k == "oom_kill" and v.strip() not in ("", "0"):
-            return True
+    """True if the kernel OOM-killed something in the sandbox's memory cgroup: cgroup v1's
+    ``memory.oom_control`` (verified here), or cgroup v2's ``memory.events`` (same counter;
+    not verified on this cgroup-v1 machine)."""
+    for path in (_CGROUP_ROOT / "memory" / sandbox_id / "memory.oom_control",
+                 _CGROUP_ROOT / sandbox_id / "memory.events"):
+        try:
+            text = path.read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            k, _, v = line.partition(" ")
+            if k == "oom_kill" and v.strip() not in ("", "0"):
+                return True
     return False
+
+
+def _maps_death(method: Callable[..., T]) -> Callable[..., T]:
+    """A file operation whose agent connection died reports why the sandbox died (e.g.
+    OOMKilled), like exec does."""
+
+    @functools.wraps(method)
+    def wrapper(self: SandboxRuntime, sandbox_id: str, *args: Any, **kwargs: Any) -> T:
+        try:
+            return method(self, sandbox_id, *args, **kwargs)
+        except SandboxDiedError as exc:
+            raise self._died(sandbox_id, exc) from None
+
+    return wrapper
 
 
 class SandboxRuntime:
@@ -1067,6 +1088,12 @@ class SandboxRuntime:
         except SandboxDiedError as exc:
             raise self._died(sandbox_id, exc) from None
 
+    def set_egress(self, sandbox_id: str, policy: EgressPolicy | Mapping[str, Any]) -> None:
+        """Replace a ``public``/``sandbox`` network's egress policy; effective within a second
+        (open connections to newly denied addresses are cut)."""
+        self._record(sandbox_id)
+        _network().set_egress(sandbox_id, self.sandboxes_dir / sandbox_id, policy)
+
     async def exec_async(self, sandbox_id: str, command: str | list[str], **kw: Any) -> ExecResult:
         return await asyncio.to_thread(self.exec, sandbox_id, command, **kw)
 
@@ -1082,6 +1109,7 @@ class SandboxRuntime:
         self._record(sandbox_id)
         return self._client(sandbox_id)
 
+    @_maps_death
     def read_file(self, sandbox_id: str, path: str) -> bytes:
         return self._files(sandbox_id).read_file(path)
 
@@ -1093,20 +1121,25 @@ class SandboxRuntime:
         payload = data.encode() if isinstance(data, str) else data
         self._files(sandbox_id).write_file(path, payload, mode=mode, append=append)
 
+    @_maps_death
     def upload_file(self, sandbox_id: str, local_path: str | Path, remote_path: str) -> None:
         """Copy a host file into the sandbox, streaming (bounded memory); keeps its mode."""
         mode = os.stat(local_path).st_mode & 0o7777
         with open(local_path, "rb") as f:
             self._files(sandbox_id).write_file(remote_path, f, mode=mode)
 
+    @_maps_death
     def download_file(self, sandbox_id: str, remote_path: str, local_path: str | Path) -> None:
-        """Copy a sandbox file to the host, streaming; written atomically."""
+        """Copy a sandbox file to the host, streaming; written atomically, mode kept."""
         local = Path(local_path)
         tmp = local.with_name(f".{local.name}.rsb-tmp")
         try:
+            client = self._files(sandbox_id)
+            mode = client.stat(remote_path, follow_symlinks=True).mode
             with open(tmp, "wb") as f:
-                for chunk in self._files(sandbox_id).iter_read(remote_path):
+                for chunk in client.iter_read(remote_path):
                     f.write(chunk)
+            os.chmod(tmp, mode & 0o777)  # like cp: no setuid/setgid bits from the sandbox
             os.replace(tmp, local)
         finally:
             tmp.unlink(missing_ok=True)
@@ -1114,6 +1147,7 @@ class SandboxRuntime:
     def iter_read(self, sandbox_id: str, path: str) -> Iterator[bytes]:
         return self._files(sandbox_id).iter_read(path)
 
+    @_maps_death
     def stat(self, sandbox_id: str, path: str) -> FileInfo:
         return self._files(sandbox_id).stat(path)
 
@@ -1124,15 +1158,19 @@ class SandboxRuntime:
         except FileNotFoundError:
             return False
 
+    @_maps_death
     def list_dir(self, sandbox_id: str, path: str) -> list[FileInfo]:
         return self._files(sandbox_id).list_dir(path)
 
+    @_maps_death
     def mkdir(self, sandbox_id: str, path: str, *, parents: bool = True, mode: int = 0o755) -> None:
         self._files(sandbox_id).mkdir(path, parents=parents, mode=mode)
 
+    @_maps_death
     def remove(self, sandbox_id: str, path: str, *, recursive: bool = False) -> None:
         self._files(sandbox_id).remove(path, recursive=recursive)
 
+    @_maps_death
     def put_archive(self, sandbox_id: str, remote_dir: str,
                     stream: Iterable[bytes] | BinaryIO) -> None:
         """Extract a tar stream into ``remote_dir`` inside the sandbox (modes, symlinks and
