@@ -261,8 +261,28 @@ def chaos_cluster(ray_home) -> Iterator[tuple[object, object]]:
             pass
         ray.shutdown()
         cluster.shutdown()
+        _collect_ray_zombies()
         SandboxRuntime(ray_home)  # the reaper: what killed hosts and nodes left behind
         assert leftovers(ray_home) == {}, leftovers(ray_home)
+
+
+def _collect_ray_zombies() -> None:
+    """Collect Ray workers that died as our adopted orphans (see _wait_dead), so the reaper
+    sees their sandboxes' owners as dead even after a failed test."""
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue
+        for pid in map(int, children):
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                continue
+            comm, state = stat[stat.index("(") + 1 : stat.rindex(")")], stat.rsplit(")", 1)[1]
+            if comm.startswith("ray::") and state.split()[0] == "Z":
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, os.WNOHANG)
 
 
 def _worker(cluster) -> object:

@@ -185,6 +185,60 @@ def test_shared_image_rootfs_unwritable_and_unchanged(runtime, image_store, read
     assert after == before, sorted(set(after.items()) ^ set(before.items()))[:10]
 
 
+def _status(pid: int) -> dict[str, str]:
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return {k: v.strip() for k, _, v in (line.partition(":") for line in lines)}
+
+
+def _pid_of(argv0: bytes, sid: str) -> int:
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if argv[0] == argv0 and any(sid.encode() in a for a in argv):
+                return int(entry.name)
+    raise AssertionError(f"no {argv0!r} for {sid}")
+
+
+def test_sentry_and_gofer_are_confined_on_the_host(runtime, probe):
+    """What a sentry compromise would hold (measured; docs/security.md): both processes have
+    NoNewPrivs and a seccomp filter; the sentry lives in its own user namespace, chrooted to
+    an empty directory. With directfs (runsc's default) that namespace maps uid 0 to host
+    root and keeps the container's capabilities, so the seccomp filter and the chroot are
+    what confine it; runsc --directfs=false runs it as 65534 with no capabilities."""
+    sentry = _pid_of(b"runsc-sandbox", probe)
+    gofer = _pid_of(b"runsc-gofer", probe)
+    for pid in (sentry, gofer):
+        st = _status(pid)
+        assert st["NoNewPrivs"] == "1" and st["Seccomp"] == "2", st
+    assert os.readlink(f"/proc/{sentry}/ns/user") != os.readlink("/proc/self/ns/user")
+    assert set(os.listdir(f"/proc/{sentry}/root")) <= {"proc", "etc", "dev", "tmp"}
+    assert int(_status(gofer)["CapEff"], 16) & ~0x4001F == 0  # only file-serving capabilities
+
+
+def test_run_dir_sockets_are_create_only(runtime, probe):
+    """--host-uds=create: the sandbox may bind sockets that appear on the host (that is how
+    the agent's socket gets out), but cannot connect to a host socket put in the same dir."""
+    host_sock = runtime.sandboxes_dir / probe / "run" / "host.sock"
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(str(host_sock))
+    srv.listen(1)
+    srv.settimeout(0.5)
+    try:
+        out = run_probe(runtime, probe, """
+attempt('connect-host-socket', lambda: socket.socket(socket.AF_UNIX).connect(
+    '/.rsb/run/host.sock'))
+""")
+        assert out["connect-host-socket"] == "ECONNREFUSED"
+        with pytest.raises(TimeoutError):
+            srv.accept()
+    finally:
+        srv.close()
+        host_sock.unlink()
+
+
 # --- capabilities and network -----------------------------------------------------------------
 
 CAP_ATTEMPTS = """
