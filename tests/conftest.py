@@ -6,4 +6,5 @@ pytest_plugins = [
     "tests.fx_network",
     "tests.fx_runtime",
     "tests.fx_ray",
+    "tests.fx_hostile",
 ]
