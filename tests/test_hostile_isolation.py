@@ -374,13 +374,6 @@ def _chain_scripts(dest: Path) -> list[str]:
     ]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "archive.extract_local trusts tarfile's 'data' filter, which on this Python (3.11.7 < "
-    "3.11.13) is bypassed by CVE-2025-4517: three download_dir calls of a directory the "
-    "sandbox prepared write a file outside local_dir on the host, as root. Fix: in "
-    "extract_local refuse any member whose parent path crosses an existing symlink (lstat each "
-    "component under dest, or openat with O_NOFOLLOW|O_DIRECTORY) and check link targets "
-    "lexically against dest; also require Python >= 3.11.13"))
 def test_download_dir_symlink_chain_cannot_write_outside_target(runtime, sandbox, tmp_path):
     dest = tmp_path / "dest"
     for script in _chain_scripts(dest):

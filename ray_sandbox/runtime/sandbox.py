@@ -1180,6 +1180,17 @@ class SandboxRuntime:
         client = self._files(sandbox_id)
         base = remote_dir.rstrip("/") or "/"
         client.mkdir(base, parents=True)
+        try:
+            self._put_members(client, sandbox_id, base, stream)
+        except tarfile.TarError as exc:
+            raise UnsafePathError(f"not a valid tar stream: {exc}",
+                                  sandbox_id=sandbox_id) from None
+
+    @staticmethod
+    def _put_members(client: AgentClient, sandbox_id: str, base: str,
+                     stream: Iterable[bytes] | BinaryIO) -> None:
+        import tarfile
+
         with tarfile.open(fileobj=archive.as_file(stream), mode="r|*") as tar:
             for m in tar:
                 rel = archive.member_path(m.name)
