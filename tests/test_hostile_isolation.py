@@ -495,12 +495,6 @@ def _answers_quietly(runtime: SandboxRuntime, sid: str) -> bool:
         return False
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the host's AgentClient connects to <sandbox dir>/run/agent.sock by path and follows a "
-    "symlink there; /.rsb/run is a rw bind of that host dir, so hostile code (after SIGSTOP of "
-    "PID 1) replaces the socket by a symlink to any host unix socket and the host (root) "
-    "connects to it and sends the request (exec argv, file data). Fix: open the socket file "
-    "with O_PATH|O_NOFOLLOW, require S_ISSOCK on the fd, and connect to /proc/self/fd/<fd>"))
 def test_agent_socket_symlink_is_not_followed(runtime, host_unix: Listener):
     sid = runtime.create(image="ray-sandbox/busybox", memory="64Mi")
     try:

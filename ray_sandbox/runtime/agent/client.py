@@ -13,6 +13,7 @@ import os
 import posixpath
 import select
 import socket
+import stat
 import threading
 import time
 import weakref
@@ -297,15 +298,18 @@ class AgentClient:
     # -- connections ------------------------------------------------------------------
 
     def _connect(self) -> _Conn:
+        """Connect to the agent's socket without following a symlink: the socket's directory
+        is writable from inside the sandbox, and a symlink planted there must not point this
+        (root) process at some other host socket. Connecting through ``/proc/self/fd`` also
+        lifts the 108-byte ``sun_path`` limit."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        path = os.fspath(self.socket_path)
-        dirfd = -1
+        fd = -1
         try:
-            if len(os.fsencode(path)) > 107:  # sun_path limit: connect via the directory fd
-                dirfd = os.open(os.path.dirname(path) or ".", os.O_PATH)
-                path = f"/proc/self/fd/{dirfd}/{os.path.basename(path)}"
+            fd = os.open(self.socket_path, os.O_PATH | os.O_NOFOLLOW)
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                raise OSError(errno_.ENOTSOCK, "not a socket (replaced from inside?)")
             sock.settimeout(CONNECT_TIMEOUT)
-            sock.connect(path)
+            sock.connect(f"/proc/self/fd/{fd}")
         except OSError as exc:
             sock.close()
             raise SandboxDiedError(
@@ -313,8 +317,8 @@ class AgentClient:
                 sandbox_id=self.sandbox_id,
             ) from None
         finally:
-            if dirfd >= 0:
-                os.close(dirfd)
+            if fd >= 0:
+                os.close(fd)
         return _Conn(sock, self.sandbox_id)
 
     def _wait_unheld(self) -> None:
