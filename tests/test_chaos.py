@@ -212,14 +212,6 @@ EXITING_OWNER = textwrap.dedent("""
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(strict=True, reason=(
-    "sandbox._owner_alive compares only the owner's PID start time, so a dead owner that is "
-    "still a zombie counts as alive and the reaper never removes its sandboxes. It happens "
-    "whenever the owner's parent is slow or never collects it, e.g. a Ray worker orphaned by a "
-    "killed raylet re-parents to a SandboxRuntime process (a child subreaper whose reaper "
-    "thread collects only runsc processes) and stays a zombie forever. Fix: treat state 'Z' "
-    "in /proc/<pid>/stat as dead in _owner_alive; and let _subreaper reap every orphan it "
-    "adopted (not only runsc comms), leaving only its own Popen children alone"))
 def test_zombie_owner_counts_as_dead(tmp_path, image_store, busybox_image):
     home = tmp_path / "home"
     env = {**os.environ, "RAY_SANDBOX_IMAGES": str(image_store.root)}

@@ -96,10 +96,6 @@ def test_fork_bomb_is_capped_by_a_pids_limit(runtime, neighbour):
         runtime.delete(sid)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a sandbox killed by its pids cgroup limit is reported as ERROR/SandboxExited; the runtime "
-    "checks only memory.oom_control. Fix: in SandboxRuntime._runsc_state also read "
-    "/sys/fs/cgroup/pids/<id>/pids.events and report reason 'PidsLimit' when 'max' > 0"))
 def test_pids_limit_kill_is_reported_with_a_reason(runtime):
     sid = runtime.create(image="ray-sandbox/busybox", memory="512Mi", cpu=0.5,
                          spec_transform=_pids_limit(256))
@@ -112,13 +108,6 @@ def test_pids_limit_kill_is_reported_with_a_reason(runtime):
     assert (status.state, status.reason) == (SandboxState.ERROR, "PidsLimit")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "no default bound on a sandbox's host tasks: ptrace stubs cost ~9 host threads per guest "
-    "process (a fork bomb reached 1703 host tasks at memory=256Mi, 4766 at 512Mi), so only the "
-    "memory limit stands between hostile code and kernel.pid_max (32768, shared by the node; "
-    "memory=None removes even that). Fix: bundle.build_spec should always set "
-    "linux.resources.pids.limit (e.g. 4096, configurable), and report it (see "
-    "test_pids_limit_kill_is_reported_with_a_reason)"))
 def test_default_sandbox_bounds_its_host_tasks(runtime, sandbox):
     assert cgroup_value("pids", sandbox, "pids.max") != "max"
 

@@ -508,12 +508,6 @@ def test_agent_socket_symlink_is_not_followed(runtime, host_unix: Listener):
     assert host_unix.hits == [], f"host connected to a host socket: {host_unix.hits[:1]}"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "/.rsb/run and /etc/hosts (and /etc/resolv.conf) are rw binds of host files, unbounded "
-    "by memory= or disk=: any sandbox, even readonly, writes as much as it likes onto the host "
-    "disk under <home>/sandboxes/<id>/. Fix: back run/ with a small tmpfs (size=1m) mounted "
-    "by the runtime, and bind etc/hosts and etc/resolv.conf read-only (or copy them into the "
-    "sandbox's own root)"))
 def test_host_binds_cannot_fill_host_disk(runtime):
     sid = runtime.create(image="ray-sandbox/busybox", memory="64Mi")
     sdir = runtime.sandboxes_dir / sid

@@ -48,7 +48,8 @@ def test_gc_removes_orphaned_runsc_container(rt_home, runtime):
 
     from ray_sandbox.runtime import _mount
 
-    _mount.unmount(rt_home / "sandboxes" / sid / "root")
+    for point in _mount.mounts_under(rt_home / "sandboxes" / sid):
+        _mount.unmount(point)
     shutil.rmtree(rt_home / "sandboxes" / sid)
     with runtime._lock:
         runtime._owned.discard(sid)

@@ -15,6 +15,7 @@ from pathlib import Path
 from .errors import SandboxCreationError
 
 _MNT_DETACH = 2
+_MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 2, 4, 8
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
 _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
@@ -30,6 +31,15 @@ def mount_overlay(lower: Path, upper: Path, work: Path, target: Path, *, sandbox
             f"mounting the sandbox root overlay on {target} failed: {os.strerror(err)}",
             sandbox_id=sandbox_id,
         )
+
+
+def mount_tmpfs(target: Path, *, size: str, mode: str = "0755") -> None:
+    """A size-capped tmpfs: a directory the sandbox can write to without reaching the disk."""
+    opts = f"size={size},mode={mode}".encode()
+    if _libc.mount(b"tmpfs", os.fsencode(target), b"tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC,
+                   opts) != 0:
+        err = ctypes.get_errno()
+        raise SandboxCreationError(f"mounting a tmpfs on {target} failed: {os.strerror(err)}")
 
 
 def unmount(target: Path) -> bool:

@@ -25,6 +25,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import _mount
 from .config import SandboxConfig
 from .spec import (
     Capabilities,
@@ -33,6 +34,7 @@ from .spec import (
     MemoryResources,
     Mount,
     Namespace,
+    PidsResources,
     Process,
     Resources,
     Root,
@@ -45,6 +47,7 @@ AGENT_RUN_DIR = "/.rsb/run"
 AGENT_SOCKET = f"{AGENT_RUN_DIR}/agent.sock"
 AGENT_NAME = "rsb-agent"
 CPU_PERIOD_US = 100_000
+RUN_DIR_SIZE = "256k"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -98,6 +101,9 @@ class SandboxDir:
         self.path.mkdir(parents=True, exist_ok=False)
         for d in (self.bundle, self.run, self.etc):
             d.mkdir()
+        # run/ is bind-mounted writable into the sandbox (the agent's socket lives there): a
+        # small tmpfs keeps whatever the sandbox writes there off the node's disk.
+        _mount.mount_tmpfs(self.run, size=RUN_DIR_SIZE)
 
     def remove(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
@@ -159,15 +165,16 @@ def build_spec(
               options=["rbind", "ro"]),
         Mount(destination=AGENT_RUN_DIR, type="bind", source=str(sdir.run),
               options=["rbind", "rw"]),
+        # Read-only: a writable bind of a host file would let the sandbox fill the disk.
         Mount(destination="/etc/hosts", type="bind", source=str(sdir.etc / "hosts"),
-              options=["rbind", "rw"]),
+              options=["rbind", "ro"]),
         Mount(destination="/etc/hostname", type="bind", source=str(sdir.etc / "hostname"),
               options=["rbind", "ro"]),
     ]  # fmt: skip
     if with_resolv_conf:
         mounts.append(
             Mount(destination="/etc/resolv.conf", type="bind",
-                  source=str(sdir.etc / "resolv.conf"), options=["rbind", "rw"])
+                  source=str(sdir.etc / "resolv.conf"), options=["rbind", "ro"])
         )  # fmt: skip
     if config.readonly and config.workdir:
         mounts.append(
@@ -180,6 +187,8 @@ def build_spec(
         resources.memory = MemoryResources(limit=config.memory)
     if config.cpu is not None:
         resources.cpu = CpuResources(quota=int(config.cpu * CPU_PERIOD_US), period=CPU_PERIOD_US)
+    if config.pids_limit is not None:
+        resources.pids = PidsResources(limit=config.pids_limit)
 
     namespaces = [Namespace(type=t) for t in ("pid", "ipc", "uts", "mount")]
     if not host_network or netns_path:

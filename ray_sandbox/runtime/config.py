@@ -135,6 +135,12 @@ class SandboxConfig(BaseModel):
     cpu: float | None = Field(1.0, description="CPU quota in cores; None = unlimited")
     memory: int | None = Field(512 * 2**20, description="memory limit in bytes; '512Mi' accepted")
     disk: int | None = Field(None, description="writable-layer size limit in bytes")
+    pids_limit: int | None = Field(
+        4096,
+        description="host tasks (processes + threads) the sandbox may use; on ptrace each "
+        "guest process costs ~9. Reaching it stops the whole sandbox (reason PidsLimit); "
+        "None = unbounded, which lets one sandbox exhaust the node's pid_max",
+    )
     env: dict[str, str] = Field(default_factory=dict)
     workdir: str | None = None
     readonly: bool = True
@@ -263,6 +269,13 @@ class SandboxConfig(BaseModel):
         for k in v:
             if not k or len(k) > 253:
                 raise ValueError(f"invalid label key {k!r}")
+        return v
+
+    @field_validator("pids_limit")
+    @classmethod
+    def _pids(cls, v: int | None) -> int | None:
+        if v is not None and v < 256:
+            raise ValueError("pids_limit below 256 leaves gVisor itself no room (it needs ~30)")
         return v
 
     @field_validator("disk")

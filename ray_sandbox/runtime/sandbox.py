@@ -116,10 +116,20 @@ def _process_start(pid: int) -> int | None:
         return None
 
 
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] == "Z"
+
+
 def _owner_alive(rec: SandboxRecord) -> bool:
     if rec.owner_pid is None:
         return True  # detached: only deleted explicitly or by its TTL
-    return _process_start(rec.owner_pid) == rec.owner_start
+    # A zombie is dead: its parent (e.g. a subreaper that does not collect it) may never reap.
+    return _process_start(rec.owner_pid) == rec.owner_start and not _is_zombie(rec.owner_pid)
 
 
 def _agent_binary() -> Path:
@@ -175,6 +185,21 @@ def _oom_killed(sandbox_id: str) -> bool:
         for line in text.splitlines():
             k, _, v = line.partition(" ")
             if k == "oom_kill" and v.strip() not in ("", "0"):
+                return True
+    return False
+
+
+def _pids_exhausted(sandbox_id: str) -> bool:
+    """True if a fork was refused by the sandbox's pids limit (``pids.events``: ``max N``)."""
+    for path in (_CGROUP_ROOT / "pids" / sandbox_id / "pids.events",
+                 _CGROUP_ROOT / sandbox_id / "pids.events"):
+        try:
+            text = path.read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            k, _, v = line.partition(" ")
+            if k == "max" and v.strip() not in ("", "0"):
                 return True
     return False
 
@@ -889,6 +914,8 @@ class SandboxRuntime:
             return SandboxState.PAUSED, None
         if _oom_killed(rec.sandbox_id):
             return SandboxState.ERROR, "OOMKilled"
+        if _pids_exhausted(rec.sandbox_id):
+            return SandboxState.ERROR, "PidsLimit"
         return SandboxState.ERROR, "SandboxExited"
 
     def list(self, *, all: bool = False, labels: Mapping[str, str] | None = None) -> list[str]:

@@ -78,9 +78,14 @@ class CpuResources(_Model):
     period: int | None = None
 
 
+class PidsResources(_Model):
+    limit: int = Field(gt=0)
+
+
 class Resources(_Model):
     memory: MemoryResources | None = None
     cpu: CpuResources | None = None
+    pids: PidsResources | None = None
 
 
 class Linux(_Model):

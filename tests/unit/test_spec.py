@@ -54,9 +54,11 @@ def test_capabilities_none_and_default():
     assert "CAP_CHOWN" in caps["bounding"] and "CAP_SYS_ADMIN" not in caps["bounding"]
 
 
-def test_unlimited_resources_are_omitted():
-    data = json.loads(_spec(cpu=None, memory=None).to_json())
+def test_unlimited_resources_are_omitted_and_pids_bounded_by_default():
+    data = json.loads(_spec(cpu=None, memory=None, pids_limit=None).to_json())
     assert data["linux"]["resources"] == {}
+    data = json.loads(_spec().to_json())
+    assert data["linux"]["resources"]["pids"] == {"limit": 4096}
 
 
 def test_merge_env_overrides_and_defaults_path():
