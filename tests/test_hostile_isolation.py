@@ -383,12 +383,6 @@ def test_download_dir_symlink_chain_cannot_write_outside_target(runtime, sandbox
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dest"], "wrote outside local_dir"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "read_file/download_file read until EOF with no size bound: a sandbox that turns an "
-    "expected path into a symlink to /dev/zero makes the host allocate without limit (~800 "
-    "MB/s measured) or fill the host disk. Fix: the agent's READ should refuse non-regular "
-    "files (fstat after open) and read_file should take a max_bytes (default e.g. 64 MiB) "
-    "raising a SandboxFileError past it"))
 def test_read_of_planted_device_is_bounded(runtime):
     sid = runtime.create(image="ray-sandbox/busybox", memory="64Mi")
     outcome: dict[str, object] = {}
@@ -415,10 +409,6 @@ def test_read_of_planted_device_is_bounded(runtime):
 LIMIT = 256 << 20
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "download_file/read_file of a FIFO planted by the sandbox blocks forever: the agent opens "
-    "it blocking and the client waits without a deadline. Fix: open with O_NONBLOCK and refuse "
-    "non-regular files in the agent's READ (SandboxFileError)"))
 def test_download_of_planted_fifo_does_not_hang(runtime, tmp_path):
     sid = runtime.create(image="ray-sandbox/busybox", memory="64Mi")
     outcome: dict[str, object] = {}

@@ -143,14 +143,20 @@ int op_read(struct conn *c, const struct frame *req)
     struct freq q;
     struct stat st;
     PARSE_OR_ANSWER(c, req, &q);
-    int fd = open(q.path, O_RDONLY | O_CLOEXEC);
+    /* O_NONBLOCK: opening a planted FIFO must not block. Only regular files are read: the
+     * host reads until EOF, and a symlink to /dev/zero would never end. */
+    int fd = open(q.path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0)
         return answer(c, 0, "open", q.path);
-    if (fstat(fd, &st) == 0 && S_ISDIR(st.st_mode)) {
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        int dir = S_ISDIR(st.st_mode);
         close(fd);
-        errno = EISDIR;
-        return answer(c, 0, "read", q.path);
+        errno = dir ? EISDIR : EINVAL;
+        return answer(c, 0, dir ? "read" : "read (not a regular file)", q.path);
     }
+    int flags = fcntl(fd, F_GETFL);
+    if (flags >= 0)
+        fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
     if (q.offset > 0 && lseek(fd, q.offset, SEEK_SET) < 0) {
         int e = errno;
         close(fd);
