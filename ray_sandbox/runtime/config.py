@@ -4,6 +4,7 @@ pools and integrations. Everything is validated here, before any work is done.""
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -62,6 +63,7 @@ _UNITS = {
     "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40,
 }  # fmt: skip
 
+_MAX_SIZE = 2**60
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
 _LABEL = r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?"
 _DOMAIN_RE = re.compile(rf"^(\*\.)?({_LABEL}\.)*{_LABEL}$")
@@ -80,9 +82,14 @@ def parse_size(value: int | str) -> int:
         m = _SIZE_RE.match(str(value))
         if not m:
             raise ValueError(f"cannot parse size {value!r}; use bytes or e.g. '512Mi', '1Gi'")
-        n = int(float(m.group(1)) * _UNITS[m.group(2)])
+        number = float(m.group(1))
+        if not math.isfinite(number):
+            raise ValueError(f"cannot parse size {value!r}")
+        n = int(number * _UNITS[m.group(2)])
     if n <= 0:
         raise ValueError(f"size must be positive, got {value!r}")
+    if n > _MAX_SIZE:
+        raise ValueError(f"size {value!r} is larger than any machine (max 1 EiB)")
     return n
 
 
@@ -237,8 +244,8 @@ class SandboxConfig(BaseModel):
     @field_validator("ttl_seconds", "timeout_seconds")
     @classmethod
     def _positive(cls, v: float | None) -> float | None:
-        if v is not None and v <= 0:
-            raise ValueError("must be positive")
+        if v is not None and not (v > 0 and math.isfinite(v)):
+            raise ValueError("must be a positive, finite number of seconds")
         return v
 
     @field_validator("dns")

@@ -189,6 +189,15 @@ def _oom_killed(sandbox_id: str) -> bool:
     return False
 
 
+def _stdin_bytes(stdin: bytes | str | None, sandbox_id: str) -> bytes | None:
+    if not isinstance(stdin, str):
+        return stdin
+    try:
+        return stdin.encode()
+    except UnicodeEncodeError:
+        raise ExecError("stdin text cannot be encoded as UTF-8", sandbox_id=sandbox_id) from None
+
+
 def _pids_exhausted(sandbox_id: str) -> bool:
     """True if a fork was refused by the sandbox's pids limit (``pids.events``: ``max N``)."""
     for path in (_CGROUP_ROOT / "pids" / sandbox_id / "pids.events",
@@ -1017,7 +1026,7 @@ class SandboxRuntime:
         rec = self._record(sandbox_id)
         args = self._exec_args(rec, command, cwd=cwd, env=env, user=user, shell=shell,
                                timeout=timeout)
-        data = stdin.encode() if isinstance(stdin, str) else stdin
+        data = _stdin_bytes(stdin, sandbox_id)
         try:
             return self._client(sandbox_id).exec(
                 **args, stdin=data, max_output_bytes=max_output_bytes
@@ -1042,7 +1051,7 @@ class SandboxRuntime:
         rec = self._record(sandbox_id)
         args = self._exec_args(rec, command, cwd=cwd, env=env, user=user, shell=shell,
                                timeout=timeout)
-        data = stdin.encode() if isinstance(stdin, str) else stdin
+        data = _stdin_bytes(stdin, sandbox_id)
         try:
             yield from self._client(sandbox_id).exec_stream(
                 **args, stdin=data, max_output_bytes=max_output_bytes

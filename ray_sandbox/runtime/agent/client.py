@@ -185,8 +185,18 @@ class _Conn:
             pass
 
 
+def _fsencode(value: StrOrBytes | os.PathLike, what: str, sandbox_id: str | None,
+              error: type[SandboxError] = ConfigError) -> bytes:
+    """Bytes for the wire; a str the file system encoding cannot carry (a lone surrogate
+    outside surrogateescape's range) is a typed error, not a UnicodeEncodeError."""
+    try:
+        return os.fsencode(value)
+    except UnicodeEncodeError:
+        raise error(f"{what} cannot be encoded: {value!r}", sandbox_id=sandbox_id) from None
+
+
 def _bytes_arg(value: StrOrBytes | os.PathLike, what: str, sandbox_id: str | None) -> bytes:
-    raw = os.fsencode(value)
+    raw = _fsencode(value, what, sandbox_id)
     if b"\0" in raw:
         raise ConfigError(f"{what} contains a NUL byte: {value!r}", sandbox_id=sandbox_id)
     return raw
@@ -194,7 +204,7 @@ def _bytes_arg(value: StrOrBytes | os.PathLike, what: str, sandbox_id: str | Non
 
 def _sandbox_path(path: PathArg, sandbox_id: str | None = None) -> bytes:
     """An absolute, normalized path inside the sandbox as bytes (any byte but NUL)."""
-    raw = os.fsencode(path)
+    raw = _fsencode(path, "path", sandbox_id, UnsafePathError)
     if b"\0" in raw:
         raise UnsafePathError(f"path contains a NUL byte: {path!r}", sandbox_id=sandbox_id)
     if not raw.startswith(b"/"):
@@ -232,9 +242,9 @@ def _exec_fields(
         fields.append((p.Tag.CWD, _bytes_arg(cwd, "cwd", sandbox_id)))
     if user:
         fields.append((p.Tag.USER, _bytes_arg(user, "user", sandbox_id)))
-    if timeout is not None:
-        if not timeout > 0:
-            raise bad(f"timeout must be positive, got {timeout!r}")
+    if timeout is not None and timeout != math.inf:  # inf: no timeout
+        if not (timeout > 0 and math.isfinite(timeout)):
+            raise bad(f"timeout must be a positive number of seconds, got {timeout!r}")
         fields.append((p.Tag.TIMEOUT_MS, math.ceil(timeout * 1000)))
     if max_output_bytes is not None:
         if max_output_bytes < 0:
@@ -497,6 +507,8 @@ class AgentClient:
         fields are empty: the output was streamed). ``max_output_bytes=None`` is unlimited.
         Closing the iterator early kills the command."""
         req = _exec_fields(argv, env, cwd, user, timeout, max_output_bytes, None, self.sandbox_id)
+        if timeout == math.inf:
+            timeout = None
         deadline_after = timeout + HUNG_MARGIN if timeout is not None else None
         return self._exec_frames(req, stdin or b"", deadline_after)
 
