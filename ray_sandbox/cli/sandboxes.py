@@ -212,3 +212,19 @@ def logs(sandbox_id: str) -> None:
     rt.record(sandbox_id)
     path = rt.sandboxes_dir / sandbox_id / "runsc.err"
     typer.echo(path.read_text(errors="replace") if path.exists() else "")
+
+
+@app.command()
+def demo(
+    solutions: int = typer.Option(48, help="model-style solutions to run"),
+    concurrency: int = typer.Option(8, help="sandboxes in flight"),
+) -> None:
+    """Run the rollout demo: model-written solutions tested in sandboxes on local Ray."""
+    import runpy
+    import sys
+
+    script = Path(__file__).resolve().parents[2] / "examples" / "rollout_demo.py"
+    if not script.is_file():
+        raise typer.BadParameter(f"{script} not found (the demo ships with the repository)")
+    sys.argv = [str(script), "--solutions", str(solutions), "--concurrency", str(concurrency)]
+    runpy.run_path(str(script), run_name="__main__")
