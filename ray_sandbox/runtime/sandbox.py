@@ -615,7 +615,9 @@ class SandboxRuntime:
                 keys = [k for k in self._pycontexts if k[0] == sandbox_id]
                 contexts = [self._pycontexts.pop(k) for k in keys]
             for ctx in contexts:
-                ctx.close()
+                # Killed and waited for: a connection merely dropped while the hold file
+                # exists counts as "detach" to the agent, which would keep it running.
+                ctx.kill()
             hold.touch()
             try:
                 client.drop_connections()

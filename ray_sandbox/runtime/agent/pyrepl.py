@@ -208,6 +208,15 @@ class PythonContext:
         with self._lock:
             self._stop()
 
+    def kill(self, timeout: float = 5.0) -> None:
+        """Kill the interpreter and wait until it is gone (``close`` only drops the
+        connection and leaves the killing to the agent, asynchronously)."""
+        with self._lock:
+            if self._proc is not None and not self._proc.done:
+                self._proc.kill()
+                self._proc.wait(timeout=timeout)
+            self._stop()
+
     def __enter__(self) -> PythonContext:
         return self
 
