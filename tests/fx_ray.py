@@ -4,6 +4,7 @@ and use the node's image cache; everything is deleted and checked at teardown.""
 from __future__ import annotations
 
 import os
+import socket
 
 import pytest
 
@@ -26,13 +27,20 @@ def ray_home(tmp_path_factory, default_image, busybox_image):
 
 
 @pytest.fixture(scope="module")
-def ray_cluster(ray_home):
+def ray_metrics_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(ray_home, ray_metrics_port):
     import ray
 
     import ray_sandbox
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             object_store_memory=300 * 2**20)
+             object_store_memory=300 * 2**20, _metrics_export_port=ray_metrics_port)
     yield ray
     ray_sandbox.shutdown()
     ray.shutdown()

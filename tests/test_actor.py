@@ -206,3 +206,26 @@ def test_user_written_pool_actor_embedding_runtime(ray_cluster, tmp_path):
     assert ray.get(pool.run.remote(1, "echo hi")) == "hi\n"
     ray.get(pool.close.remote())
     ray.kill(pool)
+
+
+def test_metrics_are_exported(ray_cluster, ray_metrics_port):
+    """create/exec latency and live sandboxes reach Ray's Prometheus endpoint."""
+    import urllib.request
+
+    ray = ray_cluster
+    sb = sandbox.create(image="ray-sandbox/busybox", cpu=0.1, memory="64Mi")
+    try:
+        ray.get(sb.exec.remote("true"))
+        want = ("ray_sandbox_create_seconds", "ray_sandbox_exec_seconds", "ray_sandbox_live")
+        deadline = time.time() + 60  # metrics are pushed to the agent every few seconds
+        text = ""
+        while time.time() < deadline and not all(w in text for w in want):
+            time.sleep(1)
+            try:
+                url = f"http://127.0.0.1:{ray_metrics_port}/metrics"
+                text = urllib.request.urlopen(url, timeout=5).read().decode()
+            except OSError:
+                continue
+        assert all(w in text for w in want), [w for w in want if w not in text]
+    finally:
+        ray.get(sb.terminate.remote())
