@@ -598,14 +598,20 @@ class AgentClient:
         self._checkin(conn)
 
     def _entries(self, op: p.Op, path: bytes) -> Iterator[p.Entry]:
+        return self._stream(p.request(op, [(p.Tag.PATH, path)]), p.Reply.ENTRY,
+                            lambda conn, payload: conn.decode(p.parse_entry, payload))
+
+    def _stream(self, req: bytes, item: int,
+                decode: Callable[[_Conn, bytes | bytearray], T]) -> Iterator[T]:
+        """Send ``req``, then yield each ``item`` frame (decoded) until OK; ERROR raises."""
         conn = self._checkout()
         done = False
         try:
-            conn.send(p.request(op, [(p.Tag.PATH, path)]))
+            conn.send(req)
             while True:
                 ftype, payload = conn.read_frame(_idle_deadline())
-                if ftype == p.Reply.ENTRY:
-                    yield conn.decode(p.parse_entry, payload)
+                if ftype == item:
+                    yield decode(conn, payload)
                 elif ftype == p.Reply.OK:
                     done = True
                     return
@@ -639,31 +645,9 @@ class AgentClient:
         ]
         if length is not None:
             fields.append((p.Tag.LENGTH, length))
-        req = p.request(p.Op.READ, fields)
-        return self._read_frames(req)
-
-    def _read_frames(self, req: bytes) -> Iterator[bytes]:
-        conn = self._checkout()
-        done = False
-        try:
-            conn.send(req)
-            while True:
-                ftype, payload = conn.read_frame(_idle_deadline())
-                if ftype == p.Stream.DATA:
-                    yield payload  # type: ignore[misc]  # bytes or bytearray
-                elif ftype == p.Reply.OK:
-                    done = True
-                    return
-                elif ftype == p.Reply.ERROR:
-                    done = True
-                    raise self._file_error(conn, payload)
-                else:
-                    raise self._unexpected(conn, ftype)
-        finally:
-            if done:
-                self._checkin(conn)
-            else:
-                conn.close()
+        # bytes or bytearray: both behave as bytes for every caller
+        return self._stream(p.request(p.Op.READ, fields), p.Stream.DATA,
+                            lambda conn, payload: payload)  # type: ignore[arg-type,return-value]
 
     def write_file(
         self,
