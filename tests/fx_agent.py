@@ -320,3 +320,13 @@ def static_box(gvisor_factory) -> GvisorSandbox:
 @pytest.fixture
 def python_box(gvisor_factory) -> GvisorSandbox:
     return gvisor_factory("python")
+
+
+def read_until(proc, needle: bytes, timeout: float = 10) -> bytes:
+    """Output of a spawned process (a PTY session) until ``needle`` shows up."""
+    got = b""
+    deadline = time.monotonic() + timeout
+    while needle not in got and time.monotonic() < deadline:
+        got += proc.read(timeout=0.5)
+    assert needle in got, got
+    return got

@@ -18,7 +18,7 @@ from ray_sandbox.runtime.errors import (
     SandboxStateError,
 )
 from ray_sandbox.runtime.results import ExecResult, OutputChunk
-from tests.fx_agent import descendants, proc_table, wait_gone
+from tests.fx_agent import descendants, proc_table, read_until, wait_gone
 
 
 def marked(marker: str) -> list[int]:
@@ -273,15 +273,6 @@ def test_pty_runs_an_interactive_shell_and_resizes(native_agent):
         sh.write_stdin(b"exit 4\n")
         result = sh.wait(timeout=10)
     assert result is not None and result.exit_code == 4
-
-
-def read_until(proc, needle: bytes, timeout: float = 10) -> bytes:
-    got = b""
-    deadline = time.monotonic() + timeout
-    while needle not in got and time.monotonic() < deadline:
-        got += proc.read(timeout=0.5)
-    assert needle in got, got
-    return got
 
 
 def test_concurrent_callers_run_in_parallel(native_agent):

@@ -13,6 +13,7 @@ import pytest
 from ray_sandbox.runtime.agent import AgentClient, PythonContext, expected_version
 from ray_sandbox.runtime.errors import SandboxDiedError, SandboxFileError
 from ray_sandbox.runtime.results import ExecResult
+from tests.fx_agent import read_until
 
 
 def inside_processes(box) -> str:
@@ -82,23 +83,14 @@ def test_background_grandchild_reparents_to_init(busybox_box):
 def test_pty_shell_with_resize(busybox_box):
     with busybox_box.client.spawn(["sh", "-i"], pty=(24, 80), env=["PS1=$ "]) as sh:
         sh.write_stdin(b"stty size; echo $((6*7))\n")
-        out = _read_until(sh, b"42")
+        out = read_until(sh, b"42")
         assert b"24 80" in out
         sh.resize(40, 100)
         sh.write_stdin(b"stty size\n")
-        _read_until(sh, b"40 100")
+        read_until(sh, b"40 100")
         sh.write_stdin(b"exit 3\n")
         result = sh.wait(timeout=10)
     assert result is not None and result.exit_code == 3
-
-
-def _read_until(proc, needle: bytes, timeout: float = 10) -> bytes:
-    got = b""
-    deadline = time.monotonic() + timeout
-    while needle not in got and time.monotonic() < deadline:
-        got += proc.read(timeout=0.5)
-    assert needle in got, got
-    return got
 
 
 def test_files_inside(busybox_box):
