@@ -150,8 +150,9 @@ OWNER = textwrap.dedent("""
 """)
 
 
-def _runsc_cli_running(home: Path) -> bool:
-    """A ``runsc`` command (not the sandbox or gofer) of this home is running."""
+def _runsc_cli_running(home: Path, verb: bytes = b"run") -> bool:
+    """A ``runsc <verb>`` command (not the sandbox or gofer) of this home is running (the
+    verb matters: a starting runtime's reaper runs ``runsc list`` first)."""
     marker = f"--root={home / 'runsc'}".encode()
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -159,7 +160,7 @@ def _runsc_cli_running(home: Path) -> bool:
                 argv = (entry / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if argv[0].endswith(b"runsc") and marker in argv:
+            if argv[0].endswith(b"runsc") and marker in argv and verb in argv:
                 return True
     return False
 
@@ -172,13 +173,6 @@ def _remove_cgroups(sid: str) -> None:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.xfail(strict=True, reason=(
-    "owner SIGKILLed while `runsc run` is in flight: the reaper destroys the 'creating' record "
-    "but not the orphaned `runsc run`, which then creates the sandbox's cgroups and fails "
-    "(its bundle is gone); 9 empty cgroup dirs /sys/fs/cgroup/*/<id> stay forever, since gc "
-    "only rmdirs cgroups of ids it still knows. Fix: in gc, kill (by PID) runsc CLI processes "
-    "whose argv has this --root and a dead owner's id before destroying, wait for them, and "
-    "retry the cgroup rmdir; or keep reaped ids and sweep their empty cgroup dirs later"))
 def test_sigkill_of_owner_mid_create_is_reaped(tmp_path, image_store, busybox_image):
     """The owner dies while ``runsc run`` is in flight (its record already says 'creating'):
     the next runtime's reaper must remove runsc's half-made container and every trace."""

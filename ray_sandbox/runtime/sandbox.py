@@ -1327,6 +1327,7 @@ class SandboxRuntime:
         removed: list[str] = []
         now = time.time()
         live: set[str] = set()
+        dead: list[tuple[str, str]] = []
         for d in sorted(self.sandboxes_dir.iterdir()) if self.sandboxes_dir.exists() else []:
             if not _ID_RE.match(d.name):
                 continue
@@ -1336,12 +1337,16 @@ class SandboxRuntime:
             expired = rec is not None and rec.ttl_deadline is not None and rec.ttl_deadline < now
             if mine or (rec is not None and _owner_alive(rec) and not expired):
                 live.add(d.name)
-                continue
-            if rec is None and time.time() - d.stat().st_mtime < 60:
+            elif rec is None and time.time() - d.stat().st_mtime < 60:
                 live.add(d.name)  # being created right now by another process
-                continue
-            self._destroy(d.name, reason="TTLExpired" if expired else "OwnerDied")
-            removed.append(d.name)
+            else:
+                dead.append((d.name, "TTLExpired" if expired else "OwnerDied"))
+        # A dead owner's `runsc run` may still be running: stop it first, or it would go on
+        # to create cgroups after we cleaned up.
+        self._kill_stray_runsc(live)
+        for sid, reason in dead:
+            self._destroy(sid, reason=reason)
+            removed.append(sid)
         try:
             containers = self.runsc.list()
         except SandboxError:
@@ -1360,9 +1365,11 @@ class SandboxRuntime:
         return sorted(set(removed))
 
     def _kill_stray_runsc(self, live: set[str]) -> None:
-        """Kill runsc sandbox/gofer processes of this root that runsc no longer lists (e.g. a
-        ``runsc run`` that was killed half-way, PLATFORM §9.8)."""
+        """Kill, and wait out, runsc processes of this root that belong to no live sandbox:
+        sandbox/gofer processes runsc no longer lists (a ``runsc run`` killed half-way,
+        PLATFORM §9.8) and runsc commands a dead owner left running."""
         marker = f"--root={self.runsc.root}"
+        killed: list[int] = []
         for pid_dir in Path("/proc").iterdir():
             if not pid_dir.name.isdigit():
                 continue
@@ -1370,7 +1377,8 @@ class SandboxRuntime:
                 args = (pid_dir / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if not args or args[0] not in (b"runsc-sandbox", b"runsc-gofer"):
+            if not args or (args[0] not in (b"runsc-sandbox", b"runsc-gofer")
+                            and os.path.basename(args[0]) != b"runsc"):
                 continue
             if marker.encode() not in args:
                 continue
@@ -1378,8 +1386,16 @@ class SandboxRuntime:
             if ids and not any(i in live for i in ids):
                 try:
                     os.kill(int(pid_dir.name), 9)
+                    killed.append(int(pid_dir.name))
                 except ProcessLookupError:
                     pass
+        deadline = time.monotonic() + 5
+        while killed and time.monotonic() < deadline:
+            _subreaper.reap_orphans()
+            killed = [pid for pid in killed
+                      if Path(f"/proc/{pid}").exists() and not _is_zombie(pid)]
+            if killed:
+                time.sleep(0.01)
         _subreaper.reap_orphans()
 
     # --- context manager -------------------------------------------------------------------
