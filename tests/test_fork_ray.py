@@ -16,7 +16,9 @@ from ray_sandbox.runtime import SandboxState
 from ray_sandbox.runtime.paths import images
 from tests.fx_runtime import leftovers
 
-COUNTER = ("i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.05; done")
+# Written to a temp file and renamed: a read must never see the truncated file (seen in CI).
+COUNTER = ("i=0; while true; do i=$((i+1)); echo $i > /tmp/counter.tmp; "
+           "mv /tmp/counter.tmp /tmp/counter; sleep 0.05; done")
 
 
 @pytest.fixture(scope="module")

@@ -23,8 +23,10 @@ from ray_sandbox.runtime.runsc import Runsc
 from tests.fx_images import scratch_dir
 from tests.fx_runtime import pids_inside
 
+# Written to a temp file and renamed, so a read never sees the truncated file.
 COUNTER = ["/bin/sh", "-c",
-           "i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; echo $i; sleep 0.05; done"]
+           "i=0; while true; do i=$((i+1)); echo $i > /tmp/counter.tmp; "
+           "mv /tmp/counter.tmp /tmp/counter; echo $i; sleep 0.05; done"]
 
 
 @pytest.fixture(scope="module")
