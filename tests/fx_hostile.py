@@ -78,6 +78,19 @@ def sentry_pid(runtime: SandboxRuntime, sandbox_id: str) -> int:
     return runtime.runsc.state(sandbox_id).pid
 
 
+def runsc_pid(argv0: bytes, sandbox_id: str) -> int:
+    """PID of the sandbox's ``runsc-sandbox`` (sentry) or ``runsc-gofer`` host process."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if argv[0] == argv0 and any(sandbox_id.encode() in a for a in argv):
+                return int(entry.name)
+    raise AssertionError(f"no {argv0!r} process for {sandbox_id}")
+
+
 def fd_count(pid: int | str = "self") -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 

@@ -23,7 +23,7 @@ import pytest
 
 from ray_sandbox.runtime import SandboxRuntime, SandboxState
 from ray_sandbox.runtime.errors import SandboxDiedError, SandboxError, SandboxNotFoundError
-from tests.fx_hostile import answers, settle_state, wait_until
+from tests.fx_hostile import answers, runsc_pid, settle_state, wait_until
 from tests.fx_runtime import leftovers
 
 FAST = 15.0  # seconds a caller may wait for the error after a kill ("within seconds")
@@ -56,19 +56,6 @@ class InFlight:
         return self.ended - self.mark
 
 
-def _runsc_pid(sid: str, kind: bytes) -> int:
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if argv[0] == kind and any(sid.encode() in a for a in argv):
-            return int(entry.name)
-    raise AssertionError(f"no {kind!r} process for {sid}")
-
-
 def _assert_gone(runtime: SandboxRuntime, rt_home: Path, sid: str) -> None:
     """No runsc container, process, cgroup, mount, state or directory of ``sid`` is left."""
     assert sid not in {c.id for c in runtime.runsc.list()}
@@ -86,7 +73,7 @@ def _assert_gone(runtime: SandboxRuntime, rt_home: Path, sid: str) -> None:
 def test_sigkill_of_runsc_process_fails_inflight_exec_fast(runtime, rt_home, victim):
     sid = runtime.create(image="ray-sandbox/busybox", memory="64Mi", cpu=0.5)
     try:
-        pid = _runsc_pid(sid, b"runsc-sandbox" if victim == "sentry" else b"runsc-gofer")
+        pid = runsc_pid(b"runsc-sandbox" if victim == "sentry" else b"runsc-gofer", sid)
         call = InFlight(lambda: runtime.exec(sid, ["sleep", "60"], timeout=120))
         time.sleep(0.5)
         call.kill_now()

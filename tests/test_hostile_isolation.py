@@ -23,7 +23,7 @@ import pytest
 
 from ray_sandbox.runtime import SandboxRuntime
 from ray_sandbox.runtime.errors import SandboxError, UnsafePathError
-from tests.fx_hostile import Listener, host_ipv4_addresses, rss_bytes, wait_until
+from tests.fx_hostile import Listener, host_ipv4_addresses, rss_bytes, runsc_pid, wait_until
 
 # A probe script run inside the Python sandbox: applies each named attempt and prints one JSON
 # object {name: "ok" | errno name}. Keeps every test to one exec.
@@ -190,26 +190,14 @@ def _status(pid: int) -> dict[str, str]:
     return {k: v.strip() for k, _, v in (line.partition(":") for line in lines)}
 
 
-def _pid_of(argv0: bytes, sid: str) -> int:
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                argv = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if argv[0] == argv0 and any(sid.encode() in a for a in argv):
-                return int(entry.name)
-    raise AssertionError(f"no {argv0!r} for {sid}")
-
-
 def test_sentry_and_gofer_are_confined_on_the_host(runtime, probe):
     """What a sentry compromise would hold (measured; docs/security.md): both processes have
     NoNewPrivs and a seccomp filter; the sentry lives in its own user namespace, chrooted to
     an empty directory. With directfs (runsc's default) that namespace maps uid 0 to host
     root and keeps the container's capabilities, so the seccomp filter and the chroot are
     what confine it; runsc --directfs=false runs it as 65534 with no capabilities."""
-    sentry = _pid_of(b"runsc-sandbox", probe)
-    gofer = _pid_of(b"runsc-gofer", probe)
+    sentry = runsc_pid(b"runsc-sandbox", probe)
+    gofer = runsc_pid(b"runsc-gofer", probe)
     for pid in (sentry, gofer):
         st = _status(pid)
         assert st["NoNewPrivs"] == "1" and st["Seccomp"] == "2", st

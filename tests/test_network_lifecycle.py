@@ -205,6 +205,7 @@ def test_gc_leaves_other_homes_alone(tmp_path: Path, upstream, net_home: Path,
 def test_dns_helper_survives_a_reload_signal_sent_at_once(tmp_path):
     """A SIGHUP (policy change) that arrives before the helper installed its handler must
     not kill it: set_egress right after attach used to leave the sandbox without DNS."""
+    import contextlib
     import json
     import signal
     import socket
@@ -222,13 +223,24 @@ def test_dns_helper_survives_a_reload_signal_sent_at_once(tmp_path):
     cfg = {"table": "rsb-000000000000", "nft_netns": None, "upstreams": [],
            "policy_path": str(tmp_path / "policy.json"), "cache_path": str(tmp_path / "c.json"),
            "udp_fd": udp.fileno(), "tcp_fd": tcp.fileno()}
+    udp_addr = udp.getsockname()
     with udp, tcp:
         proc = dns.start(tag="rsb-000000000000", config=cfg, state_dir=tmp_path,
                          upstream=None, fds=[udp.fileno(), tcp.fileno()])
     try:
         proc.send_signal(signal.SIGHUP)  # at once: the interpreter is still starting
-        time.sleep(1.5)
-        assert proc.poll() is None, (tmp_path / "dns.log").read_text()
+        # It must still answer a query afterwards (any reply: it has no upstreams).
+        query = bytes.fromhex("abcd0100000100000000000003777777076578616d706c6503636f6d0000010001")
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as client:
+            client.settimeout(0.5)
+            reply = b""
+            deadline = time.monotonic() + 15
+            while not reply and time.monotonic() < deadline and proc.poll() is None:
+                client.sendto(query, udp_addr)
+                with contextlib.suppress(TimeoutError):
+                    reply = client.recv(512)
+        assert reply[:2] == b"\xab\xcd", (tmp_path / "dns.log").read_text()
+        assert proc.poll() is None
     finally:
         proc.kill()
         proc.wait()
