@@ -3,6 +3,7 @@ lifetimes, pools, placement. (Issue: Ray-native sandboxes.)"""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tarfile
@@ -10,9 +11,11 @@ import textwrap
 import time
 
 import pytest
+from ray.util.placement_group import PlacementGroup, placement_group_table
 
 import ray_sandbox as sandbox
 from ray_sandbox.runtime.errors import SandboxNotFoundError
+from tests.fx_hostile import wait_until
 
 
 def test_issue_snippet(ray_cluster, tmp_path):
@@ -227,5 +230,65 @@ def test_metrics_are_exported(ray_cluster, ray_metrics_port):
             except OSError:
                 continue
         assert all(w in text for w in want), [w for w in want if w not in text]
+    finally:
+        ray.get(sb.terminate.remote())
+
+
+def _host_gone(ray, host) -> bool:
+    try:
+        ray.get(host.ping.remote(), timeout=10)
+    except ray.exceptions.RayActorError:
+        return True
+    return False
+
+
+def _host_pid(ray, host) -> int:
+    return ray.get(host.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
+
+
+def test_idle_host_retires_and_a_stale_handle_gets_a_fresh_host(ray_cluster):
+    """A host without sandboxes leaves (so an autoscaler can remove its node); this driver
+    still caches its handle, and its next create starts a fresh host instead of failing."""
+    ray = ray_cluster
+    sb = sandbox.create(image="ray-sandbox/busybox", cpu=0.1, memory="64Mi")
+    old_host, old_pid = sb._host, _host_pid(ray, sb._host)
+    ray.get(sb.terminate.remote())
+    ray.get(old_host.__ray_call__.remote(lambda self: setattr(self, "_idle_limit", 0.0)))
+    assert wait_until(lambda: _host_gone(ray, old_host), 30, 0.2)
+    sb = sandbox.create(image="ray-sandbox/busybox", cpu=0.1, memory="64Mi")
+    try:
+        assert ray.get(sb.exec.remote("echo again")).stdout == "again\n"
+        assert _host_pid(ray, sb._host) != old_pid
+    finally:
+        ray.get(sb.terminate.remote())
+
+
+def test_create_racing_a_retiring_host_keeps_its_reservation(ray_cluster):
+    """A create that reaches a host between its decision to retire and its exit is refused
+    with HostRetiringError, and the caller retries on a fresh host with the same
+    reservation, which stays in Ray while the sandbox lives."""
+    ray = ray_cluster
+    sb = sandbox.create(image="ray-sandbox/busybox", cpu=0.1, memory="64Mi")
+    host = sb._host
+    ray.get(sb.terminate.remote())
+
+    def retire_soon(self):
+        import threading
+
+        self._retiring = True
+        threading.Timer(1.0, lambda: ray.get_runtime_context().current_actor
+                        .__ray_terminate__.remote()).start()
+
+    ray.get(host.__ray_call__.remote(retire_soon))
+    t0 = time.monotonic()
+    sb = sandbox.create(image="ray-sandbox/busybox", cpu=0.1, memory="64Mi", timeout=60)
+    try:
+        assert time.monotonic() - t0 >= 0.9  # it did wait for the retiring host to go
+        assert _host_gone(ray, host)
+        assert ray.get(sb.exec.remote("echo fresh")).stdout == "fresh\n"
+        pg_hex = ray.get(sb._host.__ray_call__.remote(lambda self, i: self._pgs[i],
+                                                      sb.sandbox_id))
+        assert placement_group_table(PlacementGroup(ray.PlacementGroupID(
+            bytes.fromhex(pg_hex))))["state"] == "CREATED"
     finally:
         ray.get(sb.terminate.remote())

@@ -339,8 +339,8 @@ def test_worker_node_death_gives_ray_errors_and_reaper_cleans(chaos_cluster, ray
 
 @pytest.mark.timeout(300)
 def test_shutdown_after_a_node_death_does_not_hang(chaos_cluster):
-    """``ray_sandbox.shutdown()`` right after a node died: it returns, or raises a Ray error
-    for the dead node's host (observed when the host is still RESTARTING), within a minute."""
+    """``ray_sandbox.shutdown()`` right after a node died returns within a minute, skipping
+    the dead node's host (dead, or still RESTARTING) instead of raising its Ray error."""
     ray, cluster = chaos_cluster
     import ray_sandbox as sandbox
 
@@ -353,12 +353,44 @@ def test_shutdown_after_a_node_death_does_not_hang(chaos_cluster):
     call = InFlight(sandbox.shutdown)
     call.kill_now()
     try:
-        assert call.wait(60) < 60
-        assert not isinstance(call.outcome, BaseException) or isinstance(
-            call.outcome, ray.exceptions.RayError), call.outcome
+        assert call.wait(75) < 75
+        assert not isinstance(call.outcome, BaseException), call.outcome
     finally:  # reap the dead node's sandbox once its owner has exited
         _wait_dead(host)
         SandboxRuntime(os.environ["RAY_SANDBOX_HOME"])
+
+
+@pytest.mark.timeout(240)
+def test_pool_replaces_warm_sandboxes_lost_with_their_host(chaos_cluster, ray_home):
+    """SIGKILL the host that runs a pool's warm stock: the restarted host reaps those
+    sandboxes, the pool drops them and warms new ones, and acquire serves working ones."""
+    ray, _ = chaos_cluster
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    import ray_sandbox as sandbox
+
+    head = ray.get_runtime_context().get_node_id()  # not a worker node an earlier test removed
+    with sandbox.SandboxPool(
+        image="ray-sandbox/busybox", cpu=0.1, memory="64Mi", size=2, node_id=head,
+        actor_options={"scheduling_strategy": NodeAffinitySchedulingStrategy(head, soft=False)},
+    ) as pool:
+        pool.wait_warm(2, timeout=90)
+        stock = ray.get(pool._actor.__ray_call__.remote(lambda self: list(self._warm)))
+        warm = [sb.sandbox_id for sb in stock]
+        os.kill(_host_pid(ray, stock[0]), signal.SIGKILL)  # both are on the head's host
+
+        def replaced() -> bool:
+            now = ray.get(pool._actor.__ray_call__.remote(
+                lambda self: [sb.sandbox_id for sb in self._warm]))
+            return len(now) == 2 and not set(now) & set(warm)
+
+        assert wait_until(replaced, 90, 0.5)
+        for _ in range(2):
+            sb = pool.acquire()
+            assert ray.get(sb.exec.remote("echo ok"), timeout=60).stdout == "ok\n"
+            pool.release(sb)
+    for sid in warm:
+        assert not (ray_home / "sandboxes" / sid).exists()
 
 
 DRIVER = textwrap.dedent("""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import builtins
 import json
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 import ray
@@ -21,8 +22,9 @@ from .host import (
     NAMESPACE,
     SUSPENDED_LABEL,
     all_hosts,
+    ask_hosts,
+    call_host,
     forget_hosts,
-    host_for_node,
     remove_pg,
 )
 from .template import SandboxTemplate, config_fields, make_template
@@ -111,9 +113,9 @@ def create_from_template(
 ) -> SandboxHandle:
     pg, node = _reserve(t.bundle, node_id=t.node_id, label_selector=t.label_selector,
                         name=name, namespace=namespace, lifetime=lifetime, timeout=timeout)
-    host = host_for_node(node)
-    sid = ray.get(host.create.remote(t.config, pg.id.hex(), name, lifetime == "detached",
-                                     owner_job=_job_id()))
+    pg_hex, job = pg.id.hex(), _job_id()
+    host, sid = call_host(node, lambda h: h.create.remote(
+        t.config, pg_hex, name, lifetime == "detached", owner_job=job), pg_hex)
     return SandboxHandle(sid, host, name=name, node_id=node)
 
 
@@ -185,19 +187,24 @@ def restore(
     node_id = _placement_node(snapshot, placement)
     handles: builtins.list[SandboxHandle] = []
     pgs: builtins.list[tuple[PlacementGroup, str]] = []
+    job = _job_id()
+
+    def one(pg_hex: str, node: str) -> SandboxHandle:
+        host, sid = call_host(node, lambda h: h.restore.remote(snapshot, pg_hex,
+                                                               owner_job=job), pg_hex)
+        return SandboxHandle(sid, host, node_id=node)
+
     try:
         for _ in range(k):
             pgs.append(_reserve(bundle, node_id=node_id, timeout=timeout))
-        refs = []
-        while pgs:  # from here each host owns its reservation (and removes it on failure)
-            pg, node = pgs.pop()
-            host = host_for_node(node)
-            refs.append((host, node, host.restore.remote(snapshot, pg.id.hex(),
-                                                         owner_job=_job_id())))
+        # from here each copy's reservation is released by call_host if the copy fails
+        work, pgs = [(pg.id.hex(), node) for pg, node in pgs], []
+        with ThreadPoolExecutor(max_workers=min(k, 32)) as ex:
+            futures = [ex.submit(one, pg_hex, node) for pg_hex, node in work]
         errors = []
-        for host, node, ref in refs:
+        for f in futures:
             try:
-                handles.append(SandboxHandle(ray.get(ref), host, node_id=node))
+                handles.append(f.result())
             except Exception as exc:  # noqa: BLE001 - re-raised below
                 errors.append(exc)
         if errors:
@@ -226,15 +233,11 @@ def fork(
 
 def delete_snapshot(snapshot: Snapshot) -> None:
     """Delete a snapshot from its node and every copy fetched to other nodes. Idempotent."""
-    hosts = all_hosts()
-    if hosts:
-        ray.get([h.delete_snapshot.remote(snapshot.snapshot_id) for h in hosts])
+    ask_hosts("delete_snapshot", snapshot.snapshot_id)
 
 
 def _find_suspended(key: str) -> tuple[Any, Snapshot]:
-    hosts = all_hosts()
-    found = ray.get([h.find_suspended.remote(key) for h in hosts]) if hosts else []
-    for h, snap in zip(hosts, found, strict=True):
+    for h, snap in ask_hosts("find_suspended", key):
         if snap is not None:
             return h, snap
     raise SandboxNotFoundError(f"no suspended sandbox {key!r}")
@@ -251,18 +254,16 @@ def resume(
     name = snap.labels.get(NAME_LABEL)
     pg, node = _reserve(_copy_bundle(snap), node_id=_placement_node(snap, placement),
                         name=name, timeout=timeout)
-    host = host_for_node(node)
-    sid = ray.get(host.restore.remote(snap, pg.id.hex(), name, snap.labels[SUSPENDED_LABEL],
-                                      owner_job=_job_id()))
+    pg_hex, job = pg.id.hex(), _job_id()
+    host, sid = call_host(node, lambda h: h.restore.remote(
+        snap, pg_hex, name, snap.labels[SUSPENDED_LABEL], owner_job=job), pg_hex)
     delete_snapshot(snap)
     return SandboxHandle(sid, host, name=name, node_id=node)
 
 
 def get(name: str, *, namespace: str | None = None) -> SandboxHandle:
     """The handle of the named sandbox (searched on every node)."""
-    hosts = all_hosts()
-    found = ray.get([h.find.remote(name) for h in hosts]) if hosts else []
-    for h, sid in zip(hosts, found, strict=True):
+    for h, sid in ask_hosts("find", name):
         if sid:
             return SandboxHandle(sid, h, name=name)
     raise SandboxNotFoundError(f"no sandbox named {name!r}")
@@ -270,23 +271,21 @@ def get(name: str, *, namespace: str | None = None) -> SandboxHandle:
 
 def list(labels: Mapping[str, str] | None = None) -> builtins.list[SandboxHandle]:  # noqa: A001
     """Handles of every live sandbox in the cluster (optionally only those with ``labels``)."""
-    hosts = all_hosts()
-    results = ray.get([h.list.remote(dict(labels) if labels else None) for h in hosts])
     out = []
-    for h, items in zip(hosts, results, strict=True):
+    for h, items in ask_hosts("list", dict(labels) if labels else None):
         for sid, lbls in items:
             out.append(SandboxHandle(sid, h, name=lbls.get("ray-sandbox/name")))
     return out
 
 
 def shutdown() -> int:
-    """Delete every sandbox on every node and stop the host actors; returns how many."""
-    hosts = all_hosts()
-    n = sum(ray.get([h.shutdown.remote() for h in hosts])) if hosts else 0
-    for h in hosts:
+    """Delete every sandbox on every node and stop the host actors; returns how many.
+    Hosts on dead nodes are skipped (their node's next host reaps what they left)."""
+    answered = ask_hosts("shutdown")
+    for h in all_hosts():  # also those that did not answer in time
         ray.kill(h, no_restart=True)
     forget_hosts()
-    return n
+    return sum(n for _, n in answered)
 
 
 __all__ = ["create", "create_from_template", "delete_snapshot", "fork", "get", "list", "restore",

@@ -5,6 +5,11 @@ has one host actor (``num_cpus=0``, threaded) that embeds a :class:`SandboxRunti
 sandbox's CPU/memory/custom resources are reserved in Ray by its own placement group. The host
 watches those placement groups: when one disappears (its driver exited, or it was removed) the
 sandbox is deleted, and when a sandbox ends (delete, TTL) its placement group is removed.
+
+A host with nothing left to run (no sandbox, no create in flight, no snapshot it owns) retires
+after ``RAY_SANDBOX_HOST_IDLE_S`` seconds (default 60): Ray counts a node with a live actor as
+busy, even a zero-CPU one, so a host that stayed would keep the autoscaler from ever removing
+its node. Callers that reach a retiring or retired host start a fresh one (``call_host``).
 """
 
 from __future__ import annotations
@@ -12,10 +17,11 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import threading
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
@@ -37,8 +43,23 @@ SUSPENDED_LABEL = "ray-sandbox/suspended"  # snapshot label: id of the sandbox i
 _WATCH_INTERVAL = 1.0
 _PG_SWEEP = 60.0
 _CHUNK = 4 << 20
+_CALL_ATTEMPTS = 8  # a host retiring while called: try a fresh one, ~5 s in all
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class HostRetiringError(SandboxStateError):
+    """The node's host is retiring (idle); the call can go to a fresh host."""
+
+
+def _idle_limit() -> float:
+    raw = os.environ.get("RAY_SANDBOX_HOST_IDLE_S", "60")
+    try:
+        return float(raw)
+    except ValueError:
+        log.warning("RAY_SANDBOX_HOST_IDLE_S=%r is not a number; using 60", raw)
+        return 60.0
 
 
 def _pg(pg_hex: str) -> PlacementGroup:
@@ -82,6 +103,9 @@ class SandboxHost:
         self._fetching: dict[str, threading.Lock] = {}
         self._inflight = 0
         self._closing = False
+        self._retiring = False
+        self._idle_since = time.monotonic()
+        self._idle_limit = _idle_limit()
         self._idle = threading.Condition(self._lock)
         self._reap_previous()
         threading.Thread(target=self._watch, name="ray-sandbox-pg-watch", daemon=True).start()
@@ -125,6 +149,8 @@ class SandboxHost:
         """Counts a create/restore in flight so ``shutdown`` can wait for it; refuses new ones
         once shutting down. The reservation is released if the sandbox never comes up."""
         with self._lock:
+            if self._retiring:  # the caller keeps its reservation and asks a fresh host
+                raise HostRetiringError(f"the sandbox host on {self.node_id} is retiring")
             if self._closing:
                 remove_pg(pg_hex)
                 raise SandboxStateError(f"the sandbox host on {self.node_id} is shutting down")
@@ -190,6 +216,8 @@ class SandboxHost:
             sweep = time.monotonic() >= next_sweep
             if sweep:
                 next_sweep = time.monotonic() + _PG_SWEEP
+            if self._retire_if_idle():
+                return
             for sid, pg_hex in items:
                 if sid not in live:  # ended by its TTL
                     with self._lock:
@@ -202,6 +230,29 @@ class SandboxHost:
                         self.delete(sid)
                     except SandboxError:
                         pass
+
+    def _retire_if_idle(self) -> bool:
+        """Leave once idle for the idle limit, so the node can be scaled down."""
+        with self._lock:
+            busy = bool(self._pgs or self._inflight or self._procs or self._closing)
+        if not busy:
+            me = os.getpid()
+            busy = any(snap.owner_pid == me for snap in self._rt.list_snapshots())
+        now = time.monotonic()
+        if busy:
+            self._idle_since = now
+            return False
+        if now - self._idle_since < self._idle_limit:
+            return False
+        with self._lock:
+            if self._pgs or self._inflight:  # a create got in meanwhile
+                self._idle_since = now
+                return False
+            self._retiring = True
+        log.info("idle for %.0fs: the sandbox host on %s retires", self._idle_limit,
+                 self.node_id)
+        ray.get_runtime_context().current_actor.__ray_terminate__.remote()
+        return True
 
     # --- pause, snapshot, restore, suspend ---------------------------------------------------
 
@@ -404,10 +455,11 @@ _host_lock = threading.Lock()
 _hosts: dict[str, Any] = {}
 
 
-def host_for_node(node_id: str, *, home: str | None = None) -> Any:
-    """The host actor of ``node_id``, started there if it does not exist yet."""
+def host_for_node(node_id: str, *, home: str | None = None, fresh: bool = False) -> Any:
+    """The host actor of ``node_id``, started there if it does not exist yet (``fresh``:
+    look it up again instead of trusting this process's cached handle)."""
     with _host_lock:
-        if node_id in _hosts:
+        if node_id in _hosts and not fresh:
             return _hosts[node_id]
         handle = _RemoteHost.options(
             name=f"host-{node_id}",
@@ -421,6 +473,50 @@ def host_for_node(node_id: str, *, home: str | None = None) -> Any:
         ).remote(home)
         _hosts[node_id] = handle
         return handle
+
+
+def call_host(node_id: str, call: Callable[[Any], ray.ObjectRef], pg_hex: str) -> tuple[Any, Any]:
+    """``ray.get(call(host))`` on the host of ``node_id``, which holds the reservation
+    ``pg_hex``; returns (host, result). A host that is retiring, or that retired after this
+    process cached its handle, is replaced by a fresh one and the call repeated. On any
+    other failure the reservation is released (the host releases it itself when the call
+    reached it; this covers a host that died) and the error raised."""
+    delay = 0.05
+    for attempt in range(_CALL_ATTEMPTS):
+        host = host_for_node(node_id, fresh=attempt > 0)
+        try:
+            return host, ray.get(call(host))
+        except (HostRetiringError, ray.exceptions.ActorDiedError) as exc:
+            # A dead host on a live node retired (a crashed one restarts instead).
+            retry = isinstance(exc, HostRetiringError) or _node_alive(node_id)
+            if not retry or attempt == _CALL_ATTEMPTS - 1:
+                remove_pg(pg_hex)
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+        except BaseException:
+            remove_pg(pg_hex)
+            raise
+    raise AssertionError("unreachable")
+
+
+def _node_alive(node_id: str) -> bool:
+    return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
+
+
+def ask_hosts(method: str, *args: Any, timeout: float = 60.0) -> list[tuple[Any, Any]]:
+    """``method(*args)`` on every host, concurrently; (host, result) for each that answered.
+    Hosts that are dead or unreachable (their node died, they retired) are skipped."""
+    hosts = all_hosts()
+    refs = [getattr(h, method).remote(*args) for h in hosts]
+    out = []
+    deadline = time.monotonic() + timeout
+    for h, ref in zip(hosts, refs, strict=True):
+        try:
+            out.append((h, ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))))
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+            log.info("a sandbox host did not answer %s: %s", method, type(exc).__name__)
+    return out
 
 
 def all_hosts() -> list[Any]:
@@ -440,4 +536,5 @@ def forget_hosts() -> None:
         _hosts.clear()
 
 
-__all__ = ["SandboxHost", "host_for_node", "all_hosts", "remove_pg", "NAMESPACE"]
+__all__ = ["SandboxHost", "HostRetiringError", "NAMESPACE", "all_hosts", "ask_hosts",
+           "call_host", "host_for_node", "remove_pg"]

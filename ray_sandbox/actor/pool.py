@@ -3,11 +3,14 @@
 A small public proxy over a private pool actor (the ``ray.util.queue`` shape): ``acquire``
 hands out a warm sandbox (or creates one on a miss), ``release`` recycles it (deleted and
 replaced by a fresh one, so no state leaks between users) and a background thread keeps
-``size`` sandboxes warm. ``map`` runs a function over items, one sandbox per item.
+``size`` sandboxes warm. ``map`` runs a function over items, one sandbox per item. Warm
+sandboxes that are lost (their node or host died, their TTL ran out) are dropped from stock
+within a second or two and replaced.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -22,6 +25,9 @@ from .handle import SandboxHandle
 from .template import SandboxTemplate, make_template
 
 _REPLENISH_IN_FLIGHT = 4
+_PRUNE_INTERVAL = 1.0
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -44,6 +50,8 @@ class _PoolActor:
             threading.Thread(target=self._replenish, name=f"pool-replenish-{i}", daemon=True)
             for i in range(min(size, _REPLENISH_IN_FLIGHT))
         ]
+        self._workers.append(threading.Thread(target=self._prune_loop, name="pool-prune",
+                                              daemon=True))
         for t in self._workers:
             t.start()
 
@@ -57,7 +65,8 @@ class _PoolActor:
                 self._creating += 1
             try:
                 sb = create_from_template(self.template)
-            except SandboxError:
+            except Exception as exc:  # noqa: BLE001 - e.g. cluster full, a node died: retry
+                log.warning("pool replenishment failed: %s", exc)
                 sb = None
             with self._lock:
                 self._creating -= 1
@@ -70,6 +79,38 @@ class _PoolActor:
             elif closed:  # close() ran while this one was being created
                 ray.get(sb.terminate.remote())
                 return
+
+    def _prune_loop(self) -> None:
+        while True:
+            with self._lock:
+                if self._lock.wait_for(lambda: self._closed, timeout=_PRUNE_INTERVAL):
+                    return
+            self._prune()
+
+    def _prune(self) -> None:
+        """Drop warm sandboxes their host no longer runs (one ``list`` call per host)."""
+        with self._lock:
+            warm = list(self._warm)
+        by_host: dict[Any, list[SandboxHandle]] = {}
+        for sb in warm:
+            by_host.setdefault(sb._host, []).append(sb)
+        lost: set[SandboxHandle] = set()
+        for host, sbs in by_host.items():
+            try:
+                live = {sid for sid, _ in ray.get(host.list.remote(None), timeout=30)}
+            except ray.exceptions.RayActorError:
+                live = set()  # the host or its node died: so did its sandboxes
+            except ray.exceptions.GetTimeoutError:
+                continue  # busy, not dead
+            lost.update(sb for sb in sbs if sb.sandbox_id not in live)
+        if not lost:
+            return
+        log.warning("pool: %d warm sandboxes were lost; replacing them", len(lost))
+        with self._lock:
+            self._warm = [sb for sb in self._warm if sb not in lost]
+            self._lock.notify_all()
+        for sb in lost:  # best effort: most are gone already
+            sb.terminate.remote()
 
     def acquire(self) -> SandboxHandle:
         with self._lock:
@@ -131,6 +172,38 @@ class SandboxPool:
         opts = {"num_cpus": 0, "max_concurrency": 256, **(actor_options or {})}
         self._size = size
         self._actor = ray.remote(_PoolActor).options(**opts).remote(t, size, max_size)
+
+    def _prune_loop(self) -> None:
+        while True:
+            with self._lock:
+                if self._lock.wait_for(lambda: self._closed, timeout=_PRUNE_INTERVAL):
+                    return
+            self._prune()
+
+    def _prune(self) -> None:
+        """Drop warm sandboxes their host no longer runs (one ``list`` call per host)."""
+        with self._lock:
+            warm = list(self._warm)
+        by_host: dict[Any, list[SandboxHandle]] = {}
+        for sb in warm:
+            by_host.setdefault(sb._host, []).append(sb)
+        lost: set[SandboxHandle] = set()
+        for host, sbs in by_host.items():
+            try:
+                live = {sid for sid, _ in ray.get(host.list.remote(None), timeout=30)}
+            except ray.exceptions.RayActorError:
+                live = set()  # the host or its node died: so did its sandboxes
+            except ray.exceptions.GetTimeoutError:
+                continue  # busy, not dead
+            lost.update(sb for sb in sbs if sb.sandbox_id not in live)
+        if not lost:
+            return
+        log.warning("pool: %d warm sandboxes were lost; replacing them", len(lost))
+        with self._lock:
+            self._warm = [sb for sb in self._warm if sb not in lost]
+            self._lock.notify_all()
+        for sb in lost:  # best effort: most are gone already
+            sb.terminate.remote()
 
     def acquire(self) -> SandboxHandle:
         return ray.get(self._actor.acquire.remote())
