@@ -2,7 +2,8 @@
 
     .venv/bin/python -m benchmarks.bench_ray [--quick] [--idle 300]
 
-Rows: create()→first exec via Ray vs SandboxRuntime.create + exec on the same warm node;
+Rows: create()→first exec via Ray vs SandboxRuntime.create + exec on the same warm node, and
+a warm SandboxPool's acquire→first exec;
 ``ray.get(sb.exec.remote("true"))`` vs runtime exec; then ``--idle`` idle busybox sandboxes
 created through ``create()`` on this one node (count alive, RAM per sandbox, create rate).
 """
@@ -106,6 +107,21 @@ def main() -> None:
                     drop(made.pop())
                     time.sleep(0.2)
                 rows.append(summarize(label, samples))
+            # The same sandbox from a warm pool: acquire (a hit) -> first exec. Release and
+            # re-warming stay outside the timed part, as the deletes above do.
+            with sandbox.SandboxPool(image="ray-sandbox/busybox", cpu=0.5, memory="48Mi",
+                                     size=2) as pool:
+                samples = []
+                for _ in range(n):
+                    pool.wait_warm(2, timeout=120)
+                    t0 = time.perf_counter()
+                    sb = pool.acquire()
+                    ray.get(sb.exec.remote(["/bin/true"]))
+                    samples.append((time.perf_counter() - t0) * 1000)
+                    pool.release(sb)
+                hits = pool.stats()["hits"]
+                rows.append(summarize("acquire→first exec (SandboxPool, warm)", samples,
+                                      hits=hits))
             sid = rt.create(image="ray-sandbox/busybox", cpu=1, memory="64Mi")
             rows.append(measure("exec true (ray.get(sb.exec.remote))",
                                 lambda: ray.get(warm.exec.remote(["/bin/true"])), n * 10))
