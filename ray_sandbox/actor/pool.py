@@ -173,38 +173,6 @@ class SandboxPool:
         self._size = size
         self._actor = ray.remote(_PoolActor).options(**opts).remote(t, size, max_size)
 
-    def _prune_loop(self) -> None:
-        while True:
-            with self._lock:
-                if self._lock.wait_for(lambda: self._closed, timeout=_PRUNE_INTERVAL):
-                    return
-            self._prune()
-
-    def _prune(self) -> None:
-        """Drop warm sandboxes their host no longer runs (one ``list`` call per host)."""
-        with self._lock:
-            warm = list(self._warm)
-        by_host: dict[Any, list[SandboxHandle]] = {}
-        for sb in warm:
-            by_host.setdefault(sb._host, []).append(sb)
-        lost: set[SandboxHandle] = set()
-        for host, sbs in by_host.items():
-            try:
-                live = {sid for sid, _ in ray.get(host.list.remote(None), timeout=30)}
-            except ray.exceptions.RayActorError:
-                live = set()  # the host or its node died: so did its sandboxes
-            except ray.exceptions.GetTimeoutError:
-                continue  # busy, not dead
-            lost.update(sb for sb in sbs if sb.sandbox_id not in live)
-        if not lost:
-            return
-        log.warning("pool: %d warm sandboxes were lost; replacing them", len(lost))
-        with self._lock:
-            self._warm = [sb for sb in self._warm if sb not in lost]
-            self._lock.notify_all()
-        for sb in lost:  # best effort: most are gone already
-            sb.terminate.remote()
-
     def acquire(self) -> SandboxHandle:
         return ray.get(self._actor.acquire.remote())
 
