@@ -180,37 +180,6 @@ def test_pool_serves_warm_sandboxes(ray_cluster):
         assert stats["hits"] >= 1 and stats["out"] == 0
 
 
-POOL_ACTOR = '''
-import ray
-from ray_sandbox.runtime import SandboxRuntime
-
-
-@ray.remote(num_cpus=0)
-class MyPool:
-    def __init__(self):
-        self.runtime = SandboxRuntime()
-        self.ids = [self.runtime.create(image="ray-sandbox/busybox", memory="64Mi")
-                    for _ in range(2)]
-
-    def run(self, i, cmd):
-        return self.runtime.exec(self.ids[i], cmd).stdout
-
-    def close(self):
-        for sid in self.ids:
-            self.runtime.delete(sid)
-'''
-
-
-def test_user_written_pool_actor_embedding_runtime(ray_cluster, tmp_path):
-    ray = ray_cluster
-    ns: dict = {}
-    exec(compile(POOL_ACTOR, "pool_actor.py", "exec"), ns)
-    pool = ns["MyPool"].remote()
-    assert ray.get(pool.run.remote(1, "echo hi")) == "hi\n"
-    ray.get(pool.close.remote())
-    ray.kill(pool)
-
-
 def test_metrics_are_exported(ray_cluster, ray_metrics_port):
     """create/exec latency and live sandboxes reach Ray's Prometheus endpoint."""
     import urllib.request

@@ -1,0 +1,52 @@
+"""The examples run as users run them (their own ``ray.init``, a private sandbox home) and do
+what they say. The rollout and autoscaling demos have their own tests."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ray_sandbox.runtime import SandboxRuntime
+from ray_sandbox.runtime.paths import images
+from tests.fx_runtime import leftovers
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def _run(tmp_path: Path, script: str, *args: str) -> str:
+    home = tmp_path / "home"
+    env = {**os.environ, "RAY_SANDBOX_HOME": str(home), "RAY_SANDBOX_IMAGES": str(images())}
+    try:
+        proc = subprocess.run([sys.executable, str(EXAMPLES / script), *args], env=env,
+                              capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    finally:
+        SandboxRuntime(home)  # reap what a failed run left
+    assert leftovers(home) == {}, leftovers(home)
+    return proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_custom_pool_actor_example(tmp_path, default_image):
+    out = _run(tmp_path, "custom_pool_actor.py", "--sandboxes", "2", "--jobs", "6")
+    lines = out.splitlines()
+    assert [ln.split()[-1] for ln in lines[:5]] == ["0", "1", "4", "9", "16"], out
+    assert lines[5].startswith("while True") and lines[5].endswith("timed out"), out
+    served = {re.search(r"sandbox (\w+)", ln).group(1) for ln in lines[:6]}
+    assert len(served) == 2  # both sandboxes served jobs
+    assert lines[-1] == "closed 2 sandboxes"
+
+
+@pytest.mark.timeout(300)
+def test_file_transfer_example(tmp_path, default_image):
+    out = _run(tmp_path, "file_transfer.py", "--workdir", str(tmp_path / "work"))
+    assert "Training complete" in out
+    result = ast.literal_eval(out.strip().splitlines()[-1])
+    assert result["exit_code"] == 0 and result["round_trip_identical"] is True
+    assert result["outputs"] == ["metrics.json", "weights.bin"]
