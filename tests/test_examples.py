@@ -50,3 +50,19 @@ def test_file_transfer_example(tmp_path, default_image):
     result = ast.literal_eval(out.strip().splitlines()[-1])
     assert result["exit_code"] == 0 and result["round_trip_identical"] is True
     assert result["outputs"] == ["metrics.json", "weights.bin"]
+
+
+@pytest.mark.timeout(400)
+def test_rollout_demo_main_job(tmp_path, default_image):
+    """The README's main command, smaller: every behaviour runs once or more; correct
+    solutions pass, wrong/crashing/endless ones do not (the demo exits non-zero if one did)."""
+    out = _run(tmp_path, "rollout_demo.py", "--solutions", "12", "--concurrency", "4")
+    rows = {m.group(1): (int(m.group(2)), int(m.group(3)), int(m.group(4)))
+            for m in re.finditer(r"│ ([\w-]+)\s+│\s+(\d+) │\s+(\d+) │\s+(\d+) │", out)}
+    assert set(rows) == {"correct", "wrong", "crashing", "endless", "network-probing",
+                         "fork-storm"}, out
+    runs, passed, _ = rows["correct"]
+    assert passed == runs
+    assert rows["wrong"][1] == rows["crashing"][1] == rows["endless"][1] == 0
+    assert rows["endless"][2] == rows["endless"][0]  # every endless one timed out
+    assert "pass rate" in out
