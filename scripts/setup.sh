@@ -7,9 +7,10 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${RAY_SANDBOX_VENV:-$ROOT/.venv}
 RUNSC_WANT=0.0~20240729
+# e2fsprogs: mkfs.ext4 formats the size-capped filesystem behind disk= (runtime/disk.py).
 PACKAGES=(
   runsc umoci skopeo slirp4netns uidmap mmdebstrap docker-registry busybox-static
-  iproute2 nftables util-linux procps psmisc gcc libc6-dev make erofs-utils
+  iproute2 nftables util-linux procps psmisc gcc libc6-dev make erofs-utils e2fsprogs
   python3 python3-venv ca-certificates curl
 )
 

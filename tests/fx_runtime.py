@@ -20,7 +20,7 @@ def leftovers(rt_home: Path, ids: set[str] = frozenset()) -> dict[str, list[str]
     """Everything a sandbox could leave behind on the host, for the given runtime home and
     (for cgroups, which are global) the given sandbox ids."""
     out: dict[str, list[str]] = {"processes": [], "cgroups": [], "sandbox_dirs": [],
-                                 "runsc_state": [], "mounts": []}
+                                 "runsc_state": [], "mounts": [], "loops": []}
     marker = f"--root={rt_home / 'runsc'}".encode()
     for p in Path("/proc").iterdir():
         if p.name.isdigit():
@@ -41,7 +41,22 @@ def leftovers(rt_home: Path, ids: set[str] = frozenset()) -> dict[str, list[str]
     out["runsc_state"] = sorted(p.name for p in rdir.iterdir()) if rdir.is_dir() else []
     out["mounts"] = [line for line in Path("/proc/self/mountinfo").read_text().splitlines()
                      if str(rt_home) in line]
+    out["loops"] = loops_backed_by(rt_home)
     return {k: v for k, v in out.items() if v}
+
+
+def loops_backed_by(prefix: Path) -> list[str]:
+    """Loop devices whose backing file is under ``prefix`` (a deleted one reads
+    "<path> (deleted)"), e.g. a disk= image whose filesystem was never released."""
+    out = []
+    for backing in Path("/sys/block").glob("loop*/loop/backing_file"):
+        try:
+            path = backing.read_text().strip()
+        except OSError:
+            continue  # released while we looked
+        if path.startswith(f"{prefix}/"):
+            out.append(f"{backing.parent.parent.name}: {path}")
+    return sorted(out)
 
 
 @pytest.fixture(scope="session")
@@ -114,4 +129,4 @@ def pids_inside(runtime: SandboxRuntime, sid: str) -> list[str]:
     return [line for line in res.stdout.splitlines() if line.strip()]
 
 
-__all__ = ["leftovers", "pids_inside", "os"]
+__all__ = ["leftovers", "loops_backed_by", "pids_inside", "os"]

@@ -206,13 +206,6 @@ def test_writable_root_fill_lands_on_host_disk_until_delete(runtime, neighbour):
 
 
 @pytest.mark.parametrize("where", ["root", "workdir"])
-@pytest.mark.xfail(strict=True, reason=(
-    "SandboxConfig.disk ('writable-layer size limit') is accepted but never applied: a "
-    "readonly=False root (runsc filestore on the host disk) and a readonly workdir (a rw bind "
-    "of <home>/sandboxes/<id>/work) grow without bound, so one sandbox can fill the node's disk. "
-    "Fix: enforce disk= — e.g. put overlay/ and work/ on a per-sandbox size-limited mount "
-    "(tmpfs size= or a loop-mounted ext4 image, or XFS project quota) and reject disk= where it "
-    "cannot be enforced"))
 def test_disk_limit_is_enforced(runtime, where):
     cfg = {"readonly": False} if where == "root" else {"readonly": True, "workdir": "/w"}
     sid = runtime.create(image="ray-sandbox/busybox", memory="64Mi", disk="16Mi", **cfg)

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from ray_sandbox.runtime import SandboxRuntime
 from tests.fx_runtime import leftovers
 
@@ -16,16 +18,18 @@ OWNER = textwrap.dedent(
     import sys, time
     from ray_sandbox.runtime import SandboxRuntime
     rt = SandboxRuntime(sys.argv[1])
+    disk = None if sys.argv[2] == "-" else sys.argv[2]
     ids = [rt.create(image="ray-sandbox/busybox", memory="64Mi", cpu=0.2,
-                     readonly=(i % 2 == 0), workdir="/w") for i in range(5)]
+                     readonly=(i % 2 == 0), workdir="/w", disk=disk) for i in range(5)]
     print(" ".join(ids), flush=True)
     time.sleep(600)
     """
 )
 
 
-def test_sigkilled_owner_is_reaped(rt_home, image_store, busybox_image):
-    proc = subprocess.Popen([sys.executable, "-c", OWNER, str(rt_home)],
+@pytest.mark.parametrize("disk", ["-", "16Mi"])  # with disk=: a loop-mounted ext4 each
+def test_sigkilled_owner_is_reaped(rt_home, image_store, busybox_image, disk):
+    proc = subprocess.Popen([sys.executable, "-c", OWNER, str(rt_home), disk],
                             stdout=subprocess.PIPE, text=True)
     try:
         ids = proc.stdout.readline().split()
@@ -34,7 +38,10 @@ def test_sigkilled_owner_is_reaped(rt_home, image_store, busybox_image):
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
-    assert leftovers(rt_home, set(ids))  # the dead owner left 5 running sandboxes
+    left = leftovers(rt_home, set(ids))  # the dead owner left 5 running sandboxes
+    assert set(ids) <= set(left["sandbox_dirs"])
+    loops = [loop for loop in left.get("loops", []) if any(i in loop for i in ids)]
+    assert len(loops) == (0 if disk == "-" else 5)
     rt = SandboxRuntime(rt_home, images=image_store)  # the reaper runs at start
     assert leftovers(rt_home, set(ids)) == {}
     assert not set(ids) & image_store.pins(busybox_image.digest)

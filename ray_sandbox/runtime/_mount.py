@@ -42,6 +42,19 @@ def mount_tmpfs(target: Path, *, size: str, mode: str = "0755") -> None:
         raise SandboxCreationError(f"mounting a tmpfs on {target} failed: {os.strerror(err)}")
 
 
+def mount_block(device: str, target: Path, fstype: str, data: str = "", *,
+                sandbox_id: str) -> None:
+    """Mount a block device (e.g. a loop device) on ``target``; nosuid/nodev because the host
+    should never honour a device node or setuid bit the sandbox wrote there."""
+    if _libc.mount(os.fsencode(device), os.fsencode(target), fstype.encode(),
+                   _MS_NOSUID | _MS_NODEV, data.encode()) != 0:
+        err = ctypes.get_errno()
+        raise SandboxCreationError(
+            f"mounting {device} ({fstype}) on {target} failed: {os.strerror(err)}",
+            sandbox_id=sandbox_id,
+        )
+
+
 def unmount(target: Path) -> bool:
     """Lazily unmount ``target``; False if it was not mounted."""
     if _libc.umount2(os.fsencode(target), _MNT_DETACH) == 0:

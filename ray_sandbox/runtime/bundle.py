@@ -12,6 +12,8 @@
     etc/               generated hosts, resolv.conf, hostname (bind-mounted per file)
     work/              the writable workdir of a read-only sandbox
     overlay/           runsc's filestore for the private copy-on-write root (readonly=False)
+    disk.img, disk/    with disk=: a sparse ext4 image of that size, loop-mounted on disk/;
+                       work/ and overlay/ then live in disk/ (runtime/disk.py)
     runsc.out/.err     stdio of the detached sandbox
 
 Deleting the directory deletes the sandbox's files; nothing of a sandbox lives elsewhere except
@@ -27,6 +29,7 @@ from pathlib import Path
 
 from . import _mount
 from .config import SandboxConfig
+from .errors import SandboxCreationError
 from .spec import (
     Capabilities,
     CpuResources,
@@ -90,12 +93,26 @@ class SandboxDir:
         return self.path / "etc"
 
     @property
+    def disk_image(self) -> Path:
+        return self.path / "disk.img"
+
+    @property
+    def disk(self) -> Path:
+        return self.path / "disk"
+
+    @property
+    def _storage(self) -> Path:
+        """Where the sandbox's host-backed writable storage goes: the size-capped filesystem
+        if the sandbox has one (its mount point exists only then)."""
+        return self.disk if self.disk.is_dir() else self.path
+
+    @property
     def work(self) -> Path:
-        return self.path / "work"
+        return self._storage / "work"
 
     @property
     def overlay(self) -> Path:
-        return self.path / "overlay"
+        return self._storage / "overlay"
 
     def create(self) -> None:
         self.path.mkdir(parents=True, exist_ok=False)
@@ -121,13 +138,19 @@ def _rootfs_path(rootfs: Path, path: str) -> Path:
     return rootfs / path.lstrip("/")
 
 
-def seed_workdir(rootfs: Path, workdir: str, dest: Path) -> None:
+def seed_workdir(rootfs: Path, workdir: str, dest: Path, *, sandbox_id: str) -> None:
     """Copy the image's content at ``workdir`` (if any) into the sandbox's own writable dir."""
     src = _rootfs_path(rootfs, workdir)
-    if src.is_dir() and not src.is_symlink():
-        shutil.copytree(src, dest, symlinks=True)
-    else:
-        dest.mkdir()
+    try:
+        if src.is_dir() and not src.is_symlink():
+            shutil.copytree(src, dest, symlinks=True)
+        else:
+            dest.mkdir()
+    except OSError as exc:  # e.g. the image's workdir is larger than disk=
+        raise SandboxCreationError(
+            f"copying the image's {workdir} into the sandbox failed: {str(exc)[:500]}",
+            sandbox_id=sandbox_id,
+        ) from None
 
 
 def build_spec(

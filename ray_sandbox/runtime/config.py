@@ -64,6 +64,7 @@ _UNITS = {
 }  # fmt: skip
 
 _MAX_SIZE = 2**60
+_MIN_DISK = 2**20
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
 _LABEL = r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?"
 _DOMAIN_RE = re.compile(rf"^(\*\.)?({_LABEL}\.)*{_LABEL}$")
@@ -141,7 +142,12 @@ class SandboxConfig(BaseModel):
     image: str = DEFAULT_IMAGE
     cpu: float | None = Field(1.0, description="CPU quota in cores; None = unlimited")
     memory: int | None = Field(512 * 2**20, description="memory limit in bytes; '512Mi' accepted")
-    disk: int | None = Field(None, description="writable-layer size limit in bytes")
+    disk: int | None = Field(
+        None,
+        description="bytes the sandbox may write to the node's disk (writable root and "
+        "workdir), enforced by a loop-mounted ext4 of that size: writes beyond fail with "
+        "ENOSPC inside; '1Gi' accepted; None = unbounded",
+    )
     pids_limit: int | None = Field(
         4096,
         description="host tasks (processes + threads) the sandbox may use; on ptrace each "
@@ -288,10 +294,10 @@ class SandboxConfig(BaseModel):
     @field_validator("disk")
     @classmethod
     def _disk(cls, v: int | None) -> int | None:
-        if v is not None:
-            # Refused rather than ignored: runsc 20240729's overlay file store has no size cap
-            # and no per-sandbox size-capped filesystem is set up yet (docs/runtime.md).
-            raise ValueError("a writable-layer size limit cannot be enforced yet; leave unset")
+        if v is not None and v < _MIN_DISK:
+            # mkfs.ext4 itself works down to 128 KiB; below 1 MiB its metadata is a large
+            # share and no sandbox is useful (docs/runtime.md, "Limits").
+            raise ValueError("disk must be at least 1Mi")
         return v
 
     @model_validator(mode="after")
@@ -304,6 +310,8 @@ class SandboxConfig(BaseModel):
             raise ValueError("expose_ports= needs network='public' or 'sandbox'")
         if self.network == "sandbox" and self.effective_rootless:
             raise ValueError("network='sandbox' needs rootful mode (rootless=False, as root)")
+        if self.disk is not None and self.effective_rootless:
+            raise ValueError("disk= needs rootful mode (a loop-mounted filesystem; as root)")
         if self.rootless is False and os.geteuid() != 0:
             raise ValueError("rootless=False needs root")
         return self

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from . import disk
 from .errors import SandboxError
 from .runsc import TARGET_VERSION, Runsc
 
@@ -64,6 +65,14 @@ def diagnose() -> Report:
                             "limits), network='sandbox' unavailable")
     if cg is None:
         not_enforced.append("memory and CPU limits (no cgroup controllers)")
+    # Optional (only disk= needs it), so its absence is reported, not counted as a failure.
+    disk_missing = disk.unavailable()
+    if disk_missing is None:
+        mkfs = shutil.which("mkfs.ext4")
+        checks.append(Check(name="disk", ok=True,
+                            detail=f"disk= enforced: loop devices + ext4 ({mkfs})"))
+    else:
+        not_enforced.append(f"disk=: {disk_missing}; creating a sandbox with disk= fails")
     kvm = "kvm-pvm" if _nested_pvm() else ("present" if Path("/dev/kvm").exists() else "absent")
     checks.append(Check(name="platform", ok=True,
                         detail=f"ptrace (default), systrap available; KVM {kvm} — not used"))

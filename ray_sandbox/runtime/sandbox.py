@@ -29,7 +29,7 @@ from typing import Any, BinaryIO, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from . import _mount, _subreaper, archive, bundle, paths
+from . import _mount, _subreaper, archive, bundle, disk, paths
 from .agent.client import AgentClient, AgentProcess
 from .agent.pyrepl import PythonContext, PythonResult
 from .bundle import SandboxDir
@@ -336,7 +336,8 @@ class SandboxRuntime:
     ) -> SandboxRecord:
         attachment, overlay = self._prepare(sandbox_id, sdir, cfg, image)
         if cfg.readonly and cfg.workdir:
-            bundle.seed_workdir(Path(image.rootfs), cfg.workdir, sdir.work)
+            bundle.seed_workdir(Path(image.rootfs), cfg.workdir, sdir.work,
+                                sandbox_id=sandbox_id)
         spec = bundle.build_spec(
             sandbox_id=sandbox_id,
             config=cfg,
@@ -382,12 +383,17 @@ class SandboxRuntime:
         self, sandbox_id: str, sdir: SandboxDir, cfg: SandboxConfig, image,
         upper: Path | None = None,
     ) -> tuple[Any, str]:
-        """Root overlay (upper layer copied from ``upper`` if given), network, gVisor overlay
-        dir; returns the network attachment and the ``--overlay2`` value."""
+        """Root overlay (upper layer copied from ``upper`` if given), the size-capped disk,
+        network, gVisor overlay dir; returns the network attachment and the ``--overlay2``
+        value."""
         if upper is not None:
             copy_tree(upper, sdir.upper)
         _mount.mount_overlay(Path(image.rootfs), sdir.upper, sdir.ovwork, sdir.root,
                              sandbox_id=sandbox_id)
+        # Only a writable root (runsc's filestore) or a workdir bind write to the node's disk;
+        # a read-only sandbox without a workdir writes only to memory-bounded tmpfs.
+        if cfg.disk is not None and (not cfg.readonly or cfg.workdir):
+            disk.attach(sdir.disk_image, sdir.disk, cfg.disk, sandbox_id=sandbox_id)
         attachment = _network().attach(sandbox_id, cfg, sdir.path)
         overlay = "none"
         if not cfg.readonly:

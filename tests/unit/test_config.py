@@ -45,7 +45,11 @@ def test_parse_size_rejects(bad):
         ({"user": "a b"}, "user"),
         ({"image": " spaced"}, "image"),
         ({"bogus": 1}, "bogus"),
-        ({"disk": "1Gi"}, "disk"),  # not enforceable yet: refused, never ignored
+        ({"disk": "lots"}, "disk"),
+        ({"disk": 0}, "disk"),
+        ({"disk": "1M"}, "disk"),  # 10**6 bytes: below the 1 MiB floor
+        ({"disk": "512Ki"}, "disk"),
+        ({"disk": 2**20 - 1}, "disk"),
     ],
 )
 def test_field_errors_name_the_field(kwargs, field):
@@ -61,11 +65,21 @@ def test_field_errors_name_the_field(kwargs, field):
         {"egress": EgressPolicy()},
         {"expose_ports": [8080]},
         {"network": "sandbox", "rootless": True},
+        {"disk": "1Gi", "rootless": True},  # a loop mount needs root
     ],
 )
 def test_impossible_combinations(kwargs):
     with pytest.raises(ConfigError):
         make_config(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("16Mi", 16 * 2**20), ("1Gi", 2**30), ("2G", 2 * 10**9), (2**20, 2**20), ("1Mi", 2**20),
+     ("1.5Gi", 3 * 2**29), (None, None)],
+)
+def test_disk_sizes_parse_like_memory(value, expected):
+    assert make_config(disk=value).disk == expected
 
 
 def test_spec_transform_alias_and_override_keeps_hook():
