@@ -3,7 +3,8 @@
     .venv/bin/python -m benchmarks.bench_runtime [--quick]
 
 Rows: create→ready and delete (ours: SandboxRuntime; baseline: ``runsc run --detach`` of a
-sleep bundle + ``runsc delete``), exec ``true`` (agent vs one ``runsc exec`` per command),
+sleep bundle + ``runsc delete``), what ``disk=`` adds to a writable-root create and delete (and
+its mkfs.ext4 + loop + mount alone), exec ``true`` (agent vs one ``runsc exec`` per command),
 1 KiB file read/write (agent vs ``runsc exec cat``), warm ``run_python`` (vs ``python3 -c`` per
 call), 100 MB upload/download, and 16 concurrent callers on one sandbox and on 16 sandboxes.
 """
@@ -20,8 +21,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks._harness import emit, measure
-from ray_sandbox.runtime import SandboxRuntime
+from benchmarks._harness import emit, measure, summarize
+from ray_sandbox.runtime import SandboxRuntime, _mount, disk
 
 
 def _baseline_bundle(rt: SandboxRuntime, sid: str, tmp: Path) -> Path:
@@ -33,6 +34,45 @@ def _baseline_bundle(rt: SandboxRuntime, sid: str, tmp: Path) -> Path:
     b.mkdir()
     (b / "config.json").write_text(json.dumps(spec))
     return b
+
+
+def _disk_rows(rt: SandboxRuntime, tmp: Path, n: int, size: str = "1Gi") -> list[dict]:
+    """Writable-root create→ready and delete without and with ``disk=``, alternated so load
+    from elsewhere on the machine hits both alike; then the disk setup on its own."""
+    samples: dict[str, list[float]] = {}
+    for i in range(n + 1):  # the first round is warmup
+        for label, extra in (("", {}), (f", disk={size}", {"disk": size})):
+            t0 = time.perf_counter()
+            sid = rt.create(image="ray-sandbox/busybox", memory="128Mi", cpu=1, readonly=False,
+                            **extra)
+            t1 = time.perf_counter()
+            rt.delete(sid)
+            t2 = time.perf_counter()
+            if i:
+                samples.setdefault(f"create→ready readonly=False{label} (ours)", []).append(
+                    (t1 - t0) * 1000)
+                samples.setdefault(f"delete readonly=False{label} (ours)", []).append(
+                    (t2 - t1) * 1000)
+    rows = [summarize(label, ms) for label, ms in samples.items()]
+    size_b = 1 << 30
+    image, mnt = tmp / "disk.img", tmp / "disk"
+
+    def attach_detach() -> None:
+        disk.attach(image, mnt, size_b, sandbox_id="bench")
+        _mount.unmount(mnt)
+        mnt.rmdir()
+        image.unlink()
+
+    def mkfs_only() -> None:
+        with open(image, "wb") as f:
+            f.truncate(size_b)
+        disk.mkfs_ext4(image, sandbox_id="bench")
+        image.unlink()
+
+    rows.append(measure(f"mkfs.ext4 of a sparse {size} image", mkfs_only, n))
+    rows.append(measure(f"disk setup + teardown {size} (image, mkfs, loop, mount, unmount)",
+                        attach_detach, n))
+    return rows
 
 
 def _ops_per_s(fn, workers: int, seconds: float) -> float:
@@ -87,6 +127,7 @@ def main() -> None:
         rows.append(measure("create→ready (ours)", create, max(5, n // 4), warmup=1))
         rows.append(measure("delete (ours)", lambda: rt.delete(ids.pop()), max(5, n // 4),
                             warmup=0))
+        rows += _disk_rows(rt, tmp, max(5, n // 2))
         sid = rt.create(image="ray-sandbox/busybox", memory="1Gi", cpu=2)
         bundle = _baseline_bundle(rt, sid, tmp)
         base_ids: list[str] = []
