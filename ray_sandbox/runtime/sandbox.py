@@ -15,7 +15,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import threading
 import time
 import uuid
@@ -30,7 +29,7 @@ from typing import Any, BinaryIO, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from . import _mount, _subreaper, archive, bundle, disk, paths
-from .agent.client import AgentClient, AgentProcess
+from .agent.client import AgentClient, AgentProcess, connect_agent_socket
 from .agent.pyrepl import PythonContext, PythonResult
 from .bundle import SandboxDir
 from .config import EgressPolicy, SandboxConfig, make_config
@@ -187,6 +186,16 @@ def _oom_killed(sandbox_id: str) -> bool:
             if k == "oom_kill" and v.strip() not in ("", "0"):
                 return True
     return False
+
+
+def _accepts(path: Path) -> bool:
+    """Whether the agent listens on its socket ``path`` (the probe connection is closed at
+    once; the agent's handler for it sees EOF and exits)."""
+    try:
+        connect_agent_socket(path).close()
+    except OSError:
+        return False
+    return True
 
 
 def _stdin_bytes(stdin: bytes | str | None, sandbox_id: str) -> bytes | None:
@@ -636,13 +645,14 @@ class SandboxRuntime:
     @staticmethod
     def _wait_socket(sdir: SandboxDir, *, present: bool, wake: bool,
                      timeout: float = 10.0) -> None:
-        """Wait until the agent's socket file exists (or is gone). ``wake`` connects once
-        so the agent notices a new hold file without waiting for its next check."""
+        """Wait until the agent listens on its socket again (or has closed it). ``wake``
+        connects once so the agent notices a new hold file without waiting for its next
+        check. The socket file appears at bind(), a moment before listen(): until then a
+        connect is refused, so reopening waits for a connect that succeeds."""
         if wake:
-            with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as s:
-                s.connect(str(sdir.socket))
+            _accepts(sdir.socket)
         deadline = time.monotonic() + timeout
-        while sdir.socket.exists() != present:
+        while not (_accepts(sdir.socket) if present else not sdir.socket.exists()):
             if time.monotonic() > deadline:
                 raise SandboxStateError(
                     f"the agent did not {'re-open' if present else 'close'} its socket "

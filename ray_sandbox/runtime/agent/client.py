@@ -287,6 +287,28 @@ def _to_info(entry: p.Entry, path: bytes) -> FileInfo:
     )
 
 
+def connect_agent_socket(path: str | os.PathLike[str]) -> socket.socket:
+    """Connect to an agent's socket without following a symlink: the socket's directory is
+    writable from inside the sandbox, and a symlink planted there must not point this (root)
+    process at some other host socket. Connecting through ``/proc/self/fd`` also lifts the
+    108-byte ``sun_path`` limit. Raises OSError."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    fd = -1
+    try:
+        fd = os.open(path, os.O_PATH | os.O_NOFOLLOW)
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            raise OSError(errno_.ENOTSOCK, "not a socket (replaced from inside?)")
+        sock.settimeout(CONNECT_TIMEOUT)
+        sock.connect(f"/proc/self/fd/{fd}")
+    except OSError:
+        sock.close()
+        raise
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    return sock
+
+
 class AgentClient:
     """Talks to one sandbox's agent over its unix socket. Thread-safe."""
 
@@ -308,27 +330,13 @@ class AgentClient:
     # -- connections ------------------------------------------------------------------
 
     def _connect(self) -> _Conn:
-        """Connect to the agent's socket without following a symlink: the socket's directory
-        is writable from inside the sandbox, and a symlink planted there must not point this
-        (root) process at some other host socket. Connecting through ``/proc/self/fd`` also
-        lifts the 108-byte ``sun_path`` limit."""
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        fd = -1
         try:
-            fd = os.open(self.socket_path, os.O_PATH | os.O_NOFOLLOW)
-            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
-                raise OSError(errno_.ENOTSOCK, "not a socket (replaced from inside?)")
-            sock.settimeout(CONNECT_TIMEOUT)
-            sock.connect(f"/proc/self/fd/{fd}")
+            sock = connect_agent_socket(self.socket_path)
         except OSError as exc:
-            sock.close()
             raise SandboxDiedError(
                 f"cannot connect to the agent at {self.socket_path}: {exc}",
                 sandbox_id=self.sandbox_id,
             ) from None
-        finally:
-            if fd >= 0:
-                os.close(fd)
         return _Conn(sock, self.sandbox_id)
 
     def _wait_unheld(self) -> None:
