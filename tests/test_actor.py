@@ -186,9 +186,15 @@ def test_metrics_are_exported(ray_cluster, ray_metrics_port):
 
     ray = ray_cluster
     sb = sandbox.create(image="ray-sandbox/busybox", cpu=0.1, memory="64Mi")
+    hog = sandbox.create(image="ray-sandbox/python", cpu=0.5, memory="64Mi")
     try:
         ray.get(sb.exec.remote("true"))
-        want = ("ray_sandbox_create_seconds", "ray_sandbox_exec_seconds", "ray_sandbox_live")
+        with pytest.raises(Exception):  # noqa: B017 - the sandbox dies under the call
+            ray.get(hog.exec.remote(["python3", "-c", "x = bytearray(400 << 20); "
+                                     "x[::4096] = b'1' * len(x[::4096])"], timeout=30))
+        ray.get(hog.terminate.remote())
+        want = ("ray_sandbox_create_seconds", "ray_sandbox_exec_seconds", "ray_sandbox_live",
+                "ray_sandbox_oom_kills_total")
         deadline = time.time() + 60  # metrics are pushed to the agent every few seconds
         text = ""
         while time.time() < deadline and not all(w in text for w in want):
@@ -259,5 +265,16 @@ def test_create_racing_a_retiring_host_keeps_its_reservation(ray_cluster):
                                                       sb.sandbox_id))
         assert placement_group_table(PlacementGroup(ray.PlacementGroupID(
             bytes.fromhex(pg_hex))))["state"] == "CREATED"
+    finally:
+        ray.get(sb.terminate.remote())
+
+
+def test_disk_limit_through_ray(ray_cluster):
+    ray = ray_cluster
+    sb = sandbox.create(image="ray-sandbox/busybox", cpu=0.1, memory="64Mi", disk="16Mi")
+    try:
+        res = ray.get(sb.exec.remote("dd if=/dev/zero of=/fill bs=1M count=48"))
+        assert res.exit_code != 0 and "No space left" in res.stderr
+        assert ray.get(sb.exec.remote("rm /fill && echo ok")).stdout == "ok\n"
     finally:
         ray.get(sb.terminate.remote())

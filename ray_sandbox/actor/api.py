@@ -53,6 +53,7 @@ def create(
     *,
     cpu: float | None = None,
     memory: int | str | None = None,
+    disk: int | str | None = None,
     env: Mapping[str, str] | None = None,
     workdir: str | None = None,
     readonly: bool | None = None,
@@ -83,7 +84,8 @@ def create(
     queueing when the cluster is full (waits up to ``timeout`` seconds, forever by default)
     and the autoscaler all see it. By default the sandbox dies with the job that created it;
     ``lifetime="detached"`` lets it outlive the driver. ``name`` makes it findable with
-    :func:`get`; with ``get_if_exists`` an existing one of that name is returned.
+    :func:`get`; with ``get_if_exists`` an existing one of that name is returned. ``disk``
+    caps what it may write to its node's disk (root and workdir; not reserved in Ray).
     """
     if lifetime not in (None, "detached"):
         raise ConfigError("lifetime must be None or 'detached'")
@@ -95,7 +97,8 @@ def create(
     t = make_template(
         template,
         **config_fields(dict(
-            image=image, cpu=cpu, memory=memory, env=env, workdir=workdir, readonly=readonly,
+            image=image, cpu=cpu, memory=memory, disk=disk, env=env, workdir=workdir,
+            readonly=readonly,
             capabilities=capabilities, user=user, ttl_seconds=ttl_seconds,
             timeout_seconds=timeout_seconds, network=network, dns=dns, egress=egress,
             expose_ports=expose_ports, rootless=rootless, labels=labels,

@@ -175,6 +175,8 @@ class SandboxHost:
 
     def delete(self, sandbox_id: str) -> None:
         try:
+            if self._rt.oom_killed(sandbox_id):  # the cgroup that tells goes with the delete
+                metrics.count_oom()
             self._rt.delete(sandbox_id)
         finally:
             with self._lock:

@@ -3,7 +3,7 @@
     ray_sandbox_create_seconds   histogram  sandbox create latency on the host
     ray_sandbox_exec_seconds     histogram  exec latency on the host
     ray_sandbox_live             gauge      live sandboxes per node
-    ray_sandbox_oom_kills        counter    sandboxes found OOM-killed
+    ray_sandbox_oom_kills        counter    sandboxes OOM-killed, counted when the host deletes them
     ray_sandbox_pool_acquires    counter    pool acquires, tagged hit=true|false
 """
 

@@ -906,6 +906,12 @@ class SandboxRuntime:
             raise SandboxNotFoundError(msg, sandbox_id=sandbox_id)
         return rec
 
+    def oom_killed(self, sandbox_id: str) -> bool:
+        """Whether the kernel OOM-killed a process of this sandbox (its memory cgroup's
+        counter: cheap, no runsc call; False once the sandbox is deleted)."""
+        self._check_id(sandbox_id)
+        return _oom_killed(sandbox_id)
+
     def get_status(self, sandbox_id: str) -> SandboxStatus:
         """The sandbox's state as runsc reports it now."""
         self._check_id(sandbox_id)
