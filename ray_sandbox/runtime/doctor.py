@@ -76,8 +76,23 @@ def diagnose() -> Report:
     kvm = "kvm-pvm" if _nested_pvm() else ("present" if Path("/dev/kvm").exists() else "absent")
     checks.append(Check(name="platform", ok=True,
                         detail=f"ptrace (default), systrap available; KVM {kvm} — not used"))
-    not_enforced.append("pids: no pids limit is set (a tight one kills the whole sandbox)")
+    if _has_pids_controller():
+        checks.append(Check(name="pids", ok=True,
+                            detail="pids_limit enforced (default 4096 per sandbox)"))
+    else:
+        not_enforced.append("pids_limit: no pids cgroup controller (fork bombs are bounded "
+                            "only by memory)")
     return Report(checks=checks, not_enforced=not_enforced)
+
+
+def _has_pids_controller() -> bool:
+    root = Path("/sys/fs/cgroup")
+    if (root / "pids").is_dir():  # cgroup v1
+        return True
+    try:
+        return "pids" in (root / "cgroup.controllers").read_text().split()
+    except OSError:
+        return False
 
 
 def _nested_pvm() -> bool:
