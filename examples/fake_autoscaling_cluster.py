@@ -133,7 +133,7 @@ def _head_main(port: int, temp_dir: str, config: str) -> None:
         "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent),
                                                     os.environ.get("PYTHONPATH")])),
     })
-    signal.signal(signal.SIGTERM, lambda *_: sys.stdin.close())
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # cleans up in the finally below
     cluster = None
     try:
         cluster = Cluster(initialize_head=True, head_node_args={
