@@ -195,7 +195,8 @@ def test_sentry_and_gofer_are_confined_on_the_host(runtime, probe):
     NoNewPrivs and a seccomp filter; the sentry lives in its own user namespace, chrooted to
     an empty directory. With directfs (runsc's default) that namespace maps uid 0 to host
     root and keeps the container's capabilities, so the seccomp filter and the chroot are
-    what confine it; runsc --directfs=false runs it as 65534 with no capabilities."""
+    what confine it; directfs=False runs it as 65534 with no capabilities
+    (tests/test_hardening.py)."""
     sentry = runsc_pid(b"runsc-sandbox", probe)
     gofer = runsc_pid(b"runsc-gofer", probe)
     for pid in (sentry, gofer):
@@ -238,6 +239,15 @@ attempt('mknod-char', lambda: os.mknod('/tmp/null2', stat.S_IFCHR | 0o666, os.ma
 attempt('mknod-fifo', lambda: os.mknod('/tmp/fifo', stat.S_IFIFO | 0o600))
 out['capeff'] = [l.split()[1] for l in open('/proc/self/status') if l.startswith('CapEff')][0]
 """
+MKNOD_ATTEMPTS = """
+attempt('mknod-char', lambda: os.mknod('/tmp/null3', stat.S_IFCHR | 0o666, os.makedev(1, 3)))
+attempt('mknod-block', lambda: os.mknod('/tmp/loop9', stat.S_IFBLK | 0o600, os.makedev(7, 9)))
+attempt('mknodat-char', lambda: os.mknod('null4', stat.S_IFCHR | 0o666, os.makedev(1, 3),
+                                         dir_fd=os.open('/tmp', os.O_RDONLY)))
+attempt('mknod-fifo', lambda: os.mknod('/tmp/fifo2', stat.S_IFIFO | 0o600))
+attempt('mknod-socket', lambda: os.mknod('/tmp/sock2', stat.S_IFSOCK | 0o600))
+attempt('mknod-regular', lambda: os.mknod('/tmp/reg2', 0o600))
+"""
 
 
 def test_no_capabilities_blocks_chown_and_raw_sockets(runtime, probe):
@@ -253,18 +263,25 @@ def test_no_capabilities_blocks_chown_and_raw_sockets(runtime, probe):
     assert out["mknod-fifo"] == "ok"  # no capability needed, as on Linux
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "gVisor (runsc 20240729) does not check CAP_MKNOD: with capabilities=[] mknod of a "
-    "character/block device node succeeds (the node is inert, ENXIO on open). Fix: when "
-    "CAP_MKNOD is not granted, add an OCI seccomp rule (runsc --oci-seccomp) returning EPERM "
-    "for mknod/mknodat with S_IFCHR/S_IFBLK"))
-def test_no_capabilities_blocks_mknod(runtime):
+def test_no_capabilities_blocks_mknod(runtime, probe):
+    """gVisor does not check CAP_MKNOD; without it the spec carries a seccomp filter the
+    sentry enforces (runsc --oci-seccomp): device nodes are refused like on Linux, FIFOs,
+    sockets and regular files are not, and a restored copy keeps the filter."""
     sid = runtime.create(image="ray-sandbox/python", memory="256Mi", capabilities=[])
     try:
-        out = run_probe(runtime, sid, CAP_ATTEMPTS)
+        out = run_probe(runtime, sid, MKNOD_ATTEMPTS)
+        copy = runtime.fork(sid)[0]
+        try:
+            forked = run_probe(runtime, copy, MKNOD_ATTEMPTS.replace("/tmp/", "/tmp/f-"))
+        finally:
+            runtime.delete(copy)
     finally:
         runtime.delete(sid)
-    assert out["mknod-char"] == "EPERM"
+    default = run_probe(runtime, probe, MKNOD_ATTEMPTS.replace("/tmp/", "/tmp/m-"))
+    for got in (out, forked):
+        assert got["mknod-char"] == got["mknod-block"] == got["mknodat-char"] == "EPERM", got
+        assert got["mknod-fifo"] == got["mknod-socket"] == got["mknod-regular"] == "ok", got
+    assert default["mknod-char"] == default["mknod-block"] == "ok"  # CAP_MKNOD grants it
 
 
 def test_network_none_reaches_nothing(runtime, probe, loopback_tcp, host_abstract):

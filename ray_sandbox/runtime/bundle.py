@@ -22,8 +22,10 @@ runsc's own state (in ``home()/runsc``), its cgroups and (for some modes) its ne
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +43,9 @@ from .spec import (
     Process,
     Resources,
     Root,
+    Seccomp,
+    SeccompArg,
+    SeccompSyscall,
     Spec,
     User,
 )
@@ -52,6 +57,7 @@ AGENT_NAME = "rsb-agent"
 CPU_PERIOD_US = 100_000
 RUN_DIR_SIZE = "256k"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+S_IFMT = 0o170000  # the file-type bits of a mode (Python's stat.S_IFMT is a function)
 
 
 @dataclass(frozen=True)
@@ -153,6 +159,26 @@ def seed_workdir(rootfs: Path, workdir: str, dest: Path, *, sandbox_id: str) -> 
         ) from None
 
 
+def no_device_nodes() -> Seccomp:
+    """gVisor does not check CAP_MKNOD: without this filter a sandbox with no capabilities
+    can still make character and block device nodes. It refuses exactly those with EPERM,
+    as Linux does without the capability; FIFOs, sockets and regular files stay allowed.
+    The mode is ``mknod``'s argument 1 and ``mknodat``'s argument 2; masking with S_IFMT
+    ignores permission bits and whatever a caller puts in the register's upper bits."""
+    return Seccomp(
+        defaultAction="SCMP_ACT_ALLOW",
+        syscalls=[
+            SeccompSyscall(
+                names=[name], action="SCMP_ACT_ERRNO", errnoRet=errno.EPERM,
+                args=[SeccompArg(index=index, op="SCMP_CMP_MASKED_EQ", value=S_IFMT,
+                                 valueTwo=kind)],
+            )
+            for name, index in (("mknod", 1), ("mknodat", 2))
+            for kind in (stat.S_IFCHR, stat.S_IFBLK)
+        ],
+    )  # fmt: skip
+
+
 def build_spec(
     *,
     sandbox_id: str,
@@ -233,7 +259,8 @@ def build_spec(
         hostname=hostname,
         mounts=mounts,
         annotations={"dev.ray-sandbox.id": sandbox_id},
-        linux=Linux(namespaces=namespaces, resources=resources),
+        linux=Linux(namespaces=namespaces, resources=resources,
+                    seccomp=None if "CAP_MKNOD" in caps else no_device_nodes()),
     )
 
 

@@ -72,6 +72,12 @@ class RunscVersion(BaseModel):
         return self.date >= 20240729
 
     @property
+    def has_directfs(self) -> bool:
+        """``--directfs`` exists (20240729 has it, default on; 20221219 always serves files
+        through the gofer and rejects the flag)."""
+        return self.date >= 20230101
+
+    @property
     def overlay_dir_syntax(self) -> str:
         return "dir=" if self.date >= 20230101 else ""
 
@@ -124,7 +130,13 @@ class Runsc:
         rootless: bool = False,
         platform: str | None = None,
         host_uds: bool = False,
+        directfs: bool = True,
+        oci_seccomp: bool = False,
     ) -> list[str]:
+        """Global flags come before the verb. The flags a sandbox runs with are given to
+        ``run``, ``checkpoint`` and ``restore`` (a restore with other flags fails); verbs on a
+        running sandbox (exec, state, kill, delete …) act through its control socket and
+        need none (measured for ``--directfs``)."""
         argv = [self.binary, f"--root={self.root}"]
         if network is not None:
             argv.append(f"--network={network}")
@@ -136,6 +148,10 @@ class Runsc:
             argv.append("--host-uds=create")
         if rootless:
             argv += ["--rootless", "--ignore-cgroups"]
+        if not directfs and self.version.has_directfs:
+            argv.append("--directfs=false")
+        if oci_seccomp:
+            argv.append("--oci-seccomp")
         return [*argv, verb, *args]
 
     def _run(self, argv: list[str], sandbox_id: str | None, timeout: float) -> _proc.Completed:
@@ -155,6 +171,8 @@ class Runsc:
         overlay: str,
         rootless: bool = False,
         platform: str | None = None,
+        directfs: bool = True,
+        oci_seccomp: bool = False,
         prefix: Sequence[str] = (),
         log_dir: Path,
         timeout: float = 60.0,
@@ -173,6 +191,8 @@ class Runsc:
                 rootless=rootless,
                 platform=platform,
                 host_uds=True,
+                directfs=directfs,
+                oci_seccomp=oci_seccomp,
             ),
         ]
         self._run_logged(argv, sandbox_id, log_dir, timeout, "runsc run")
@@ -203,6 +223,8 @@ class Runsc:
         overlay: str,
         rootless: bool = False,
         platform: str | None = None,
+        directfs: bool = True,
+        oci_seccomp: bool = False,
         timeout: float = 120.0,
     ) -> None:
         """``runsc checkpoint --leave-running --compression=none``: the container keeps
@@ -211,7 +233,7 @@ class Runsc:
             "checkpoint", f"--image-path={image_path}", "--leave-running",
             "--compression=none", sandbox_id,
             network=network, overlay=overlay, rootless=rootless, platform=platform,
-            host_uds=True,
+            host_uds=True, directfs=directfs, oci_seccomp=oci_seccomp,
         )  # fmt: skip
         self._run(argv, sandbox_id, timeout)
 
@@ -225,6 +247,8 @@ class Runsc:
         overlay: str,
         rootless: bool = False,
         platform: str | None = None,
+        directfs: bool = True,
+        oci_seccomp: bool = False,
         prefix: Sequence[str] = (),
         log_dir: Path,
         timeout: float = 120.0,
@@ -237,7 +261,7 @@ class Runsc:
                 "restore", f"--image-path={image_path}", f"--bundle={bundle}", "--detach",
                 sandbox_id,
                 network=network, overlay=overlay, rootless=rootless, platform=platform,
-                host_uds=True,
+                host_uds=True, directfs=directfs, oci_seccomp=oci_seccomp,
             ),
         ]  # fmt: skip
         self._run_logged(argv, sandbox_id, log_dir, timeout, "runsc restore")

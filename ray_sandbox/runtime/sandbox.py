@@ -97,6 +97,8 @@ class SandboxRecord(BaseModel):
     overlay: str = "none"
     platform: str = "ptrace"
     rootless: bool = False
+    directfs: bool = True
+    oci_seccomp: bool = False  # the spec has a seccomp filter for the sentry to enforce
     phase: str = "creating"  # creating | created | paused
     endpoints: dict[int, tuple[str, int]] = Field(default_factory=dict)
 
@@ -368,7 +370,8 @@ class SandboxRuntime:
         )
         rec = self._new_record(sandbox_id, sdir, cfg, image, attachment, overlay, detach,
                                image_user=image.config.user or None,
-                               image_workdir=image.config.working_dir or None)
+                               image_workdir=image.config.working_dir or None,
+                               oci_seccomp=spec.linux.seccomp is not None)
         self.runsc.run_detached(
             sandbox_id,
             sdir.bundle,
@@ -376,6 +379,8 @@ class SandboxRuntime:
             overlay=overlay,
             rootless=rec.rootless,
             platform=cfg.platform,
+            directfs=rec.directfs,
+            oci_seccomp=rec.oci_seccomp,
             prefix=attachment.run_prefix,
             log_dir=sdir.path,
         )
@@ -413,6 +418,7 @@ class SandboxRuntime:
     def _new_record(
         self, sandbox_id: str, sdir: SandboxDir, cfg: SandboxConfig, image, attachment: Any,
         overlay: str, detach: bool, *, image_user: str | None, image_workdir: str | None,
+        oci_seccomp: bool,
     ) -> SandboxRecord:
         """The record of a sandbox about to start, written before runsc runs."""
         now = time.time()
@@ -434,6 +440,8 @@ class SandboxRuntime:
             overlay=overlay,
             platform=cfg.platform,
             rootless=cfg.effective_rootless,
+            directfs=cfg.directfs,
+            oci_seccomp=oci_seccomp,
             endpoints=attachment.endpoints,
         )
         self._write_record(sdir, rec)
@@ -669,7 +677,8 @@ class SandboxRuntime:
             try:
                 self.runsc.checkpoint(rec.sandbox_id, image, network=rec.network,
                                       overlay=rec.overlay, rootless=rec.rootless,
-                                      platform=rec.platform)
+                                      platform=rec.platform, directfs=rec.directfs,
+                                      oci_seccomp=rec.oci_seccomp)
                 return
             except CommandError as exc:
                 if "encoding error" not in (exc.stderr or "") or time.monotonic() > deadline:
@@ -769,15 +778,18 @@ class SandboxRuntime:
         spec = rewrite_paths(json.loads(sd.spec.read_text()), snap.source_dir, str(sdir.path))
         spec = _localize_spec(spec, sandbox_id, attachment.netns_path)
         hostname = sd.hostname.read_text().strip()
-        bundle.write_bundle(sdir, Spec.model_validate(spec), hostname=hostname,
+        spec_model = Spec.model_validate(spec)
+        bundle.write_bundle(sdir, spec_model, hostname=hostname,
                             resolv_conf=attachment.resolv_conf, hosts=attachment.hosts)
         (sdir.run / "seed").write_text(os.urandom(32).hex() + "\n")
         rec = self._new_record(sandbox_id, sdir, cfg, image, attachment, overlay, detach,
-                               image_user=snap.image_user, image_workdir=snap.image_workdir)
+                               image_user=snap.image_user, image_workdir=snap.image_workdir,
+                               oci_seccomp=spec_model.linux.seccomp is not None)
+        # The source's global flags: a restore with another --directfs fails (ENOMEM).
         self.runsc.restore_detached(
             sandbox_id, sdir.bundle, sd.image, network=rec.network, overlay=overlay,
-            rootless=rec.rootless, platform=rec.platform, prefix=attachment.run_prefix,
-            log_dir=sdir.path,
+            rootless=rec.rootless, platform=rec.platform, directfs=rec.directfs,
+            oci_seccomp=rec.oci_seccomp, prefix=attachment.run_prefix, log_dir=sdir.path,
         )
         self._wait_ready(sandbox_id, sdir)
         rec = rec.model_copy(update={"phase": "created"})

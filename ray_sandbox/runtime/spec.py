@@ -88,11 +88,36 @@ class Resources(_Model):
     pids: PidsResources | None = None
 
 
+class SeccompArg(_Model):
+    index: int = Field(ge=0, le=5)
+    value: int = Field(ge=0)
+    valueTwo: int = Field(0, ge=0)
+    op: str  # SCMP_CMP_*; for SCMP_CMP_MASKED_EQ value is the mask, valueTwo the result
+
+
+class SeccompSyscall(_Model):
+    names: list[str] = Field(min_length=1)
+    action: str  # SCMP_ACT_*
+    errnoRet: int | None = None
+    args: list[SeccompArg] | None = None
+
+
+class Seccomp(_Model):
+    """``linux.seccomp``: enforced by the sentry on the container's init and everything it
+    starts, only with ``runsc --oci-seccomp`` (processes started by ``runsc exec`` are not
+    filtered)."""
+
+    defaultAction: str
+    architectures: list[str] | None = None
+    syscalls: list[SeccompSyscall] | None = None
+
+
 class Linux(_Model):
     namespaces: list[Namespace] = Field(default_factory=list)
     resources: Resources | None = None
     cgroupsPath: str | None = None
     sysctl: dict[str, str] | None = None
+    seccomp: Seccomp | None = None
 
 
 class Spec(_Model):

@@ -1,5 +1,7 @@
 """SandboxConfig validation: bad values and impossible combinations fail before any work."""
 
+from pathlib import Path
+
 import pytest
 
 from ray_sandbox.runtime.config import (
@@ -10,6 +12,7 @@ from ray_sandbox.runtime.config import (
     parse_size,
 )
 from ray_sandbox.runtime.errors import ConfigError
+from ray_sandbox.runtime.runsc import Runsc, RunscVersion
 
 
 @pytest.mark.parametrize(
@@ -50,6 +53,7 @@ def test_parse_size_rejects(bad):
         ({"disk": "1M"}, "disk"),  # 10**6 bytes: below the 1 MiB floor
         ({"disk": "512Ki"}, "disk"),
         ({"disk": 2**20 - 1}, "disk"),
+        ({"directfs": "sometimes"}, "directfs"),
     ],
 )
 def test_field_errors_name_the_field(kwargs, field):
@@ -110,3 +114,21 @@ def test_config_is_immutable():
     cfg = SandboxConfig()
     with pytest.raises(ValueError):
         cfg.cpu = 3  # type: ignore[misc]
+
+
+def _runsc(date: int) -> Runsc:
+    r = Runsc(Path("/state/runsc"), binary="runsc")
+    r.__dict__["version"] = RunscVersion(version=f"0.0~{date}.0", date=date)  # no binary run
+    return r
+
+
+def test_directfs_defaults_on_and_reaches_runsc_argv_only_when_off():
+    assert make_config().directfs is True and make_config(directfs=False).directfs is False
+    kw = {"network": "none", "overlay": "none", "platform": "ptrace", "host_uds": True}
+    new = _runsc(20240729)
+    assert "--directfs=false" not in new._argv("run", "ID", **kw)
+    hardened = new._argv("run", "ID", directfs=False, oci_seccomp=True, **kw)
+    assert hardened[-2:] == ["run", "ID"]  # global flags precede the verb
+    assert {"--directfs=false", "--oci-seccomp"} <= set(hardened[:-2])
+    # 20221219 has no --directfs (rejects the flag); its sentry never uses directfs.
+    assert "--directfs=false" not in _runsc(20221219)._argv("run", "ID", directfs=False, **kw)

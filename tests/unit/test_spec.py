@@ -54,6 +54,20 @@ def test_capabilities_none_and_default():
     assert "CAP_CHOWN" in caps["bounding"] and "CAP_SYS_ADMIN" not in caps["bounding"]
 
 
+def test_no_cap_mknod_adds_a_seccomp_filter_against_device_nodes():
+    for caps in (None, ["CAP_MKNOD"]):
+        assert "seccomp" not in json.loads(_spec(capabilities=caps).to_json())["linux"]
+    seccomp = json.loads(_spec(capabilities=["CAP_CHOWN"]).to_json())["linux"]["seccomp"]
+    assert seccomp["defaultAction"] == "SCMP_ACT_ALLOW"
+    rules = {(r["names"][0], r["args"][0]["index"], r["args"][0]["valueTwo"]): r
+             for r in seccomp["syscalls"]}
+    assert set(rules) == {("mknod", 1, 0o020000), ("mknod", 1, 0o060000),
+                          ("mknodat", 2, 0o020000), ("mknodat", 2, 0o060000)}
+    for r in rules.values():
+        assert r["action"] == "SCMP_ACT_ERRNO" and r["errnoRet"] == 1  # EPERM
+        assert r["args"] == [{**r["args"][0], "op": "SCMP_CMP_MASKED_EQ", "value": 0o170000}]
+
+
 def test_unlimited_resources_are_omitted_and_pids_bounded_by_default():
     data = json.loads(_spec(cpu=None, memory=None, pids_limit=None).to_json())
     assert data["linux"]["resources"] == {}
