@@ -139,13 +139,32 @@ def test_every_network_mode_works_without_directfs(net_home, image_store, upstre
             if mode in ("none", "sandbox"):
                 assert st["uids"] == ["65534"] * 4 and int(st["CapEff"], 16) == 0, (mode, st)
             else:
-                # runsc --network=host keeps the sentry in the node's user namespace with the
-                # container's capabilities (+ CAP_SYS_PTRACE for ptrace), directfs or not;
-                # without directfs it loses only what directfs adds (CAP_DAC_READ_SEARCH).
-                assert st["uids"] == ["0"] * 4 and not int(st["CapEff"], 16) & 1 << 2, st
+                # runsc --network=host keeps the sentry root (the xfail below); without
+                # directfs it loses what directfs adds (CAP_DAC_READ_SEARCH).
+                assert not int(st["CapEff"], 16) & 1 << 2, st
     finally:
         rt.close()
     assert leftovers(net_home, set(ids)) == {}
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "runsc 20240729 starts the sentry of a --network=host sandbox (network 'public' and "
+    "'host') in the caller's user namespace: host uid 0 with the container's capabilities + "
+    "CAP_SYS_PTRACE, directfs or not, where 'none'/'sandbox' get their own user namespace "
+    "(and uid 65534 without directfs). Fix: give such sandboxes a user namespace in the spec; "
+    "an identity mapping (0->0, size 2^32-1) added by spec_transform put the sentry in its own "
+    "user namespace with public networking working (measured once); a non-identity mapping "
+    "failed to start ('cannot read client sync file')"))
+@pytest.mark.usefixtures("clean_network")
+def test_public_sandbox_sentry_is_not_in_the_node_user_namespace(net_home, image_store, upstream,
+                                                                  busybox_image):
+    rt = SandboxRuntime(net_home, images=image_store)
+    try:
+        sid = rt.create(image="ray-sandbox/busybox", memory="64Mi", network="public", **HARDENED)
+        sentry = runsc_pid(b"runsc-sandbox", sid)
+        assert os.readlink(f"/proc/{sentry}/ns/user") != os.readlink("/proc/self/ns/user")
+    finally:
+        rt.close()
 
 
 OWNER = textwrap.dedent(
