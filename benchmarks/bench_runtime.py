@@ -4,7 +4,9 @@
 
 Rows: create→ready and delete (ours: SandboxRuntime; baseline: ``runsc run --detach`` of a
 sleep bundle + ``runsc delete``), what ``disk=`` adds to a writable-root create and delete (and
-its mkfs.ext4 + loop + mount alone), exec ``true`` (agent vs one ``runsc exec`` per command),
+its mkfs.ext4 + loop + mount alone), what the hardening settings cost (``directfs=False``, and the
+mknod seccomp filter ``capabilities=[]`` brings), exec ``true`` (agent vs one ``runsc exec`` per
+command),
 1 KiB file read/write (agent vs ``runsc exec cat``), warm ``run_python`` (vs ``python3 -c`` per
 call), 100 MB upload/download, and 16 concurrent callers on one sandbox and on 16 sandboxes.
 """
@@ -75,6 +77,83 @@ def _disk_rows(rt: SandboxRuntime, tmp: Path, n: int, size: str = "1Gi") -> list
     return rows
 
 
+def _drop_seccomp(spec: dict) -> None:
+    spec["linux"].pop("seccomp", None)
+
+
+def _allow_only_seccomp(spec: dict) -> None:
+    spec["linux"]["seccomp"] = {"defaultAction": "SCMP_ACT_ALLOW"}
+
+
+HARDENING = {
+    "default": {},
+    "directfs=False": {"directfs": False},
+    "capabilities=[]": {"capabilities": []},
+    "capabilities=[] without the mknod filter": {"capabilities": [],
+                                                 "spec_transform": _drop_seccomp},
+    # what having any filter costs, whatever its rules
+    "capabilities=[], an allow-only filter": {"capabilities": [],
+                                              "spec_transform": _allow_only_seccomp},
+}
+_SYSCALLS = 10_000  # dd bs=1: one read and one write each
+_IMPORTS = ["python3", "-c", "import json, sqlite3, http.client, email.mime.text, xml.dom"]
+
+
+def _hardening_rows(rt: SandboxRuntime, n: int) -> list[dict]:
+    """create→ready, exec ``true`` (agent and ``runsc exec``), a read of an image file
+    (host-backed: the gofer serves it without directfs), a syscall loop, a fork+exec loop,
+    and Python imports in a fresh sandbox (many image files opened the first time), for each
+    setting in rotation (reversed every other round), so load from elsewhere on the machine
+    and position in the round hit all alike."""
+    samples: dict[str, list[float]] = {}
+
+    def rotation(i: int, items: dict) -> list:
+        order = list(items.items())
+        return order if i % 2 else order[::-1]
+
+    def timed(label: str, fn, keep: bool):
+        t0 = time.perf_counter()
+        out = fn()
+        if keep:
+            samples.setdefault(label, []).append((time.perf_counter() - t0) * 1000)
+        return out
+
+    def create(cfg: dict) -> str:
+        # 256Mi: the sentry grows ~0.1 MiB per process started (docs/security.md)
+        return rt.create(image="ray-sandbox/busybox", memory="256Mi", cpu=1, **cfg)
+
+    for i in range(n + 1):  # the first round is warmup
+        for name, cfg in rotation(i, HARDENING):
+            rt.delete(timed(f"create→ready, {name}", lambda cfg=cfg: create(cfg), i > 0))
+    sids = {name: create(cfg) for name, cfg in HARDENING.items()}
+    dd = f"dd if=/dev/zero of=/dev/null bs=1 count={_SYSCALLS} 2>/dev/null"
+    forks = "i=0; while [ $i -lt 50 ]; do /bin/true; i=$((i+1)); done"
+    for i in range(n * 5 + 1):
+        for name, sid in rotation(i, sids):
+            timed(f"exec true, {name}", lambda sid=sid: rt.exec(sid, ["/bin/true"]), i > 0)
+            timed(f"read_file /etc/passwd, {name}",
+                  lambda sid=sid: rt.read_file(sid, "/etc/passwd"), i > 0)
+            if i <= n:
+                timed(f"exec true (baseline runsc exec), {name}",
+                      lambda sid=sid: rt.runsc.exec(sid, ["/bin/true"], timeout=30), i > 0)
+    for i in range(6):
+        for name, sid in rotation(i, sids):
+            timed(f"{2 * _SYSCALLS} syscalls (dd bs=1), {name}",
+                  lambda sid=sid: rt.exec(sid, dd, timeout=120), i > 0)
+            timed(f"50 fork+exec of true in sh, {name}",
+                  lambda sid=sid: rt.exec(sid, forks, timeout=120), i > 0)
+    for sid in sids.values():
+        rt.delete(sid)
+    for i in range(n + 1):
+        for name in ("default", "directfs=False"):
+            sid = rt.create(image="ray-sandbox/python", memory="256Mi", cpu=1, **HARDENING[name])
+            for when in ("first", "again"):
+                timed(f"python3 imports ({when} in the sandbox), {name}",
+                      lambda sid=sid: rt.exec(sid, _IMPORTS), i > 0)
+            rt.delete(sid)
+    return [summarize(label, ms) for label, ms in samples.items()]
+
+
 def _ops_per_s(fn, workers: int, seconds: float) -> float:
     stop = time.monotonic() + seconds
     counts = [0] * workers
@@ -112,12 +191,16 @@ def _cpu_per_op(rt: SandboxRuntime, sid: str, fn, n: int) -> tuple[float, float]
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--hardening", action="store_true", help="only the hardening rows")
     args = ap.parse_args()
     n = 10 if args.quick else 40
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="rsb-bench-") as tmpd, SandboxRuntime(
         Path(tmpd) / "home"
     ) as rt:
+        if args.hardening:
+            emit("runtime_hardening", _hardening_rows(rt, max(5, n // 2)))
+            return
         tmp = Path(tmpd)
         ids: list[str] = []
 
@@ -128,6 +211,7 @@ def main() -> None:
         rows.append(measure("delete (ours)", lambda: rt.delete(ids.pop()), max(5, n // 4),
                             warmup=0))
         rows += _disk_rows(rt, tmp, max(5, n // 2))
+        rows += _hardening_rows(rt, max(5, n // 2))
         sid = rt.create(image="ray-sandbox/busybox", memory="1Gi", cpu=2)
         bundle = _baseline_bundle(rt, sid, tmp)
         base_ids: list[str] = []
