@@ -1,14 +1,14 @@
 """SandboxRuntime speed, side by side with bare runsc in the same run.
 
-    .venv/bin/python -m benchmarks.bench_runtime [--quick]
+    .venv/bin/python -m benchmarks.bench_runtime [--quick] [--hardening]
 
 Rows: create→ready and delete (ours: SandboxRuntime; baseline: ``runsc run --detach`` of a
 sleep bundle + ``runsc delete``), what ``disk=`` adds to a writable-root create and delete (and
-its mkfs.ext4 + loop + mount alone), what the hardening settings cost (``directfs=False``, and the
-mknod seccomp filter ``capabilities=[]`` brings), exec ``true`` (agent vs one ``runsc exec`` per
-command),
-1 KiB file read/write (agent vs ``runsc exec cat``), warm ``run_python`` (vs ``python3 -c`` per
-call), 100 MB upload/download, and 16 concurrent callers on one sandbox and on 16 sandboxes.
+its mkfs.ext4 + loop + mount alone), what the hardening settings cost (``directfs=False``, and
+the mknod seccomp filter ``capabilities=[]`` brings; ``--hardening`` runs only these), exec
+``true`` (agent vs one ``runsc exec`` per command), 1 KiB file read/write (agent vs ``runsc
+exec cat``), warm ``run_python`` (vs ``python3 -c`` per call), 100 MB upload/download, and 16
+concurrent callers on one sandbox and on 16 sandboxes.
 """
 
 from __future__ import annotations
