@@ -43,6 +43,19 @@ def link_target_ok(member: str, target: str) -> bool:
     return joined != ".." and not joined.startswith("../")
 
 
+def through_link(member: str, links: set[str]) -> str | None:
+    """The first of ``links`` (symlinks this archive created) that ``member``'s parent path
+    goes through, or None. Each link may point inside the target on its own, yet a chain of
+    them (``x/y -> ..``, then ``x/y/z -> ..``) leaves it: members are never written through
+    one."""
+    parts = member.split("/")
+    for i in range(1, len(parts)):
+        prefix = "/".join(parts[:i])
+        if prefix in links:
+            return prefix
+    return None
+
+
 class _ChunkReader(io.RawIOBase):
     """File-like view of an iterator of byte chunks (for tarfile's stream mode)."""
 

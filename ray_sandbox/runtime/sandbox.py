@@ -1263,11 +1263,18 @@ class SandboxRuntime:
                      stream: Iterable[bytes] | BinaryIO) -> None:
         import tarfile
 
+        links: set[str] = set()  # symlinks this archive made: never written through
         with tarfile.open(fileobj=archive.as_file(stream), mode="r|*") as tar:
             for m in tar:
                 rel = archive.member_path(m.name)
                 if not rel:
                     continue
+                via = archive.through_link(rel, links)
+                if via is not None:
+                    raise UnsafePathError(
+                        f"member {m.name!r} goes through the archive's own symlink {via!r}",
+                        sandbox_id=sandbox_id,
+                    )
                 dest = f"{base.rstrip('/')}/{rel}"
                 if m.isdir():
                     client.mkdir(dest, parents=True, mode=m.mode & 0o7777 or 0o755)
@@ -1279,8 +1286,14 @@ class SandboxRuntime:
                             sandbox_id=sandbox_id,
                         )
                     client.symlink(m.linkname, dest)
+                    links.add(rel)
                 elif m.islnk():
                     src = archive.member_path(m.linkname)
+                    if src in links or archive.through_link(src, links) is not None:
+                        raise UnsafePathError(
+                            f"hard link {m.name!r} -> {m.linkname!r} goes through a symlink",
+                            sandbox_id=sandbox_id,
+                        )
                     data = client.read_file(f"{base.rstrip('/')}/{src}")
                     client.write_file(dest, data, mode=m.mode & 0o7777)
                 elif m.isfile():

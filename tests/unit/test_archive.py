@@ -98,3 +98,14 @@ def test_member_path_never_escapes(name):
 )
 def test_link_target_ok(member, target, ok):
     assert archive.link_target_ok(member, target) is ok
+
+
+@pytest.mark.parametrize("member,links,hit", [
+    ("x/y/z", {"x/y"}, "x/y"),
+    ("x/y", {"x/y"}, None),  # replacing the link itself is not writing through it
+    ("x/yy/z", {"x/y"}, None),
+    ("a/b/c/d", {"a/b/c", "a"}, "a"),
+    ("top", {"top"}, None),
+])
+def test_through_link(member, links, hit):
+    assert archive.through_link(member, links) == hit
