@@ -16,7 +16,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ray_sandbox.runtime.runsc import RunscFlags
+
 OUT = Path(__file__).resolve().parent / "out"
+
+# The baseline sandboxes: plain `runsc run`, no network, no overlay, ptrace.
+BARE_RUNSC = RunscFlags(network="none", overlay="none", platform="ptrace")
 
 
 def measure(label: str, fn: Callable[[], Any], n: int, *, warmup: int = 1, **extra: Any) -> dict:

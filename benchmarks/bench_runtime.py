@@ -23,7 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks._harness import emit, measure, summarize
+from benchmarks._harness import BARE_RUNSC, emit, measure, summarize
 from ray_sandbox.runtime import SandboxRuntime, _mount, disk
 
 
@@ -218,8 +218,7 @@ def main() -> None:
 
         def base_create():
             bid = os.urandom(16).hex()
-            rt.runsc.run_detached(bid, bundle, network="none", overlay="none",
-                                  platform="ptrace", log_dir=tmp)
+            rt.runsc.run_detached(bid, bundle, BARE_RUNSC, log_dir=tmp)
             base_ids.append(bid)
 
         rows.append(measure("create (baseline runsc run)", base_create, max(5, n // 4)))

@@ -42,7 +42,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from benchmarks._harness import emit, summarize
+from benchmarks._harness import BARE_RUNSC, emit, summarize
 from ray_sandbox.runtime import ImageStore, SandboxRuntime
 
 BUSYBOX = "ray-sandbox/busybox"
@@ -166,8 +166,7 @@ def throughput(rt: SandboxRuntime, tmp: Path, quick: bool, reps: int) -> list[di
         bid = os.urandom(16).hex()
         logs = tmp / "baseline-logs" / bid
         logs.mkdir(parents=True)
-        _, c = _timed(lambda: rt.runsc.run_detached(bid, bundle, network="none", overlay="none",
-                                                    platform="ptrace", log_dir=logs))
+        _, c = _timed(lambda: rt.runsc.run_detached(bid, bundle, BARE_RUNSC, log_dir=logs))
         _, e = _timed(lambda: rt.runsc.exec(bid, ["/bin/true"], timeout=30))
         _, d = _timed(lambda: rt.runsc.delete(bid))
         shutil.rmtree(logs)

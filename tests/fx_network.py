@@ -32,7 +32,7 @@ from ray_sandbox.network import netns as _netns
 from ray_sandbox.runtime import _proc, _subreaper
 from ray_sandbox.runtime.config import SandboxConfig
 from ray_sandbox.runtime.errors import SandboxError
-from ray_sandbox.runtime.runsc import Runsc
+from ray_sandbox.runtime.runsc import Runsc, RunscFlags
 
 NODE, INET = "rsbt-node", "rsbt-inet"
 NODE_ADDR, INET_ADDR = "198.18.0.1", "198.18.0.2"
@@ -325,10 +325,9 @@ class Sandboxes:
             bundle.mkdir()
             spec = oci_spec(self.rootfs, att, state_dir)
             (bundle / "config.json").write_text(json.dumps(spec))
-            self.runsc.run_detached(
-                sid, bundle, network=att.runsc_network, overlay="none", platform="ptrace",
-                prefix=att.run_prefix, log_dir=state_dir,
-            )  # fmt: skip
+            flags = RunscFlags(network=att.runsc_network, overlay="none", platform="ptrace")
+            self.runsc.run_detached(sid, bundle, flags, prefix=att.run_prefix,
+                                    log_dir=state_dir)
             yield Box(self.runsc, sid, att, state_dir)
         finally:
             with suppress(SandboxError):

@@ -33,6 +33,21 @@ TARGET_VERSION = "0.0~20240729"
 _DEFAULT_TIMEOUT = 30.0
 
 
+class RunscFlags(BaseModel):
+    """The global flags a sandbox runs with. ``run``, ``checkpoint`` and ``restore`` must be
+    given the same ones (a restore with another ``--directfs`` fails); verbs on a running
+    sandbox (exec, state, kill, delete …) act through its control socket and need none."""
+
+    model_config = ConfigDict(frozen=True)
+
+    network: str
+    overlay: str
+    rootless: bool = False
+    platform: str | None = None
+    directfs: bool = True
+    oci_seccomp: bool = False
+
+
 class ContainerState(BaseModel):
     """``runsc state`` / ``runsc list --format=json`` entry."""
 
@@ -121,37 +136,19 @@ class Runsc:
         d = re.search(r"(\d{8})", m.group(1))
         return RunscVersion(version=m.group(1), date=int(d.group(1)) if d else 0)
 
-    def _argv(
-        self,
-        verb: str,
-        *args: str,
-        network: str | None = None,
-        overlay: str | None = None,
-        rootless: bool = False,
-        platform: str | None = None,
-        host_uds: bool = False,
-        directfs: bool = True,
-        oci_seccomp: bool = False,
-    ) -> list[str]:
-        """Global flags come before the verb. The flags a sandbox runs with are given to
-        ``run``, ``checkpoint`` and ``restore`` (a restore with other flags fails); verbs on a
-        running sandbox (exec, state, kill, delete …) act through its control socket and
-        need none (measured for ``--directfs``)."""
+    def _argv(self, verb: str, *args: str, flags: RunscFlags | None = None) -> list[str]:
+        """Global flags come before the verb; a sandbox's own (``flags``) only for the verbs
+        that start or save it."""
         argv = [self.binary, f"--root={self.root}"]
-        if network is not None:
-            argv.append(f"--network={network}")
-        if overlay is not None:
-            argv.append(f"--overlay2={overlay}")
-        if platform is not None or network is not None:
-            argv.append(f"--platform={platform or self.platform}")
-        if host_uds:
-            argv.append("--host-uds=create")
-        if rootless:
-            argv += ["--rootless", "--ignore-cgroups"]
-        if not directfs and self.version.has_directfs:
-            argv.append("--directfs=false")
-        if oci_seccomp:
-            argv.append("--oci-seccomp")
+        if flags is not None:
+            argv += [f"--network={flags.network}", f"--overlay2={flags.overlay}",
+                     f"--platform={flags.platform or self.platform}", "--host-uds=create"]
+            if flags.rootless:
+                argv += ["--rootless", "--ignore-cgroups"]
+            if not flags.directfs and self.version.has_directfs:
+                argv.append("--directfs=false")
+            if flags.oci_seccomp:
+                argv.append("--oci-seccomp")
         return [*argv, verb, *args]
 
     def _run(self, argv: list[str], sandbox_id: str | None, timeout: float) -> _proc.Completed:
@@ -166,13 +163,8 @@ class Runsc:
         self,
         sandbox_id: str,
         bundle: Path,
+        flags: RunscFlags,
         *,
-        network: str,
-        overlay: str,
-        rootless: bool = False,
-        platform: str | None = None,
-        directfs: bool = True,
-        oci_seccomp: bool = False,
         prefix: Sequence[str] = (),
         log_dir: Path,
         timeout: float = 60.0,
@@ -182,17 +174,7 @@ class Runsc:
         argv = [
             *prefix,
             *self._argv(
-                "run",
-                f"--bundle={bundle}",
-                "--detach",
-                sandbox_id,
-                network=network,
-                overlay=overlay,
-                rootless=rootless,
-                platform=platform,
-                host_uds=True,
-                directfs=directfs,
-                oci_seccomp=oci_seccomp,
+                "run", f"--bundle={bundle}", "--detach", sandbox_id, flags=flags,
             ),
         ]
         self._run_logged(argv, sandbox_id, log_dir, timeout, "runsc run")
@@ -218,23 +200,16 @@ class Runsc:
         self,
         sandbox_id: str,
         image_path: Path,
+        flags: RunscFlags,
         *,
-        network: str,
-        overlay: str,
-        rootless: bool = False,
-        platform: str | None = None,
-        directfs: bool = True,
-        oci_seccomp: bool = False,
         timeout: float = 120.0,
     ) -> None:
         """``runsc checkpoint --leave-running --compression=none``: the container keeps
         running. Global flags must match the ones it was started with (PLATFORM §7)."""
         argv = self._argv(
             "checkpoint", f"--image-path={image_path}", "--leave-running",
-            "--compression=none", sandbox_id,
-            network=network, overlay=overlay, rootless=rootless, platform=platform,
-            host_uds=True, directfs=directfs, oci_seccomp=oci_seccomp,
-        )  # fmt: skip
+            "--compression=none", sandbox_id, flags=flags,
+        )
         self._run(argv, sandbox_id, timeout)
 
     def restore_detached(
@@ -242,13 +217,8 @@ class Runsc:
         sandbox_id: str,
         bundle: Path,
         image_path: Path,
+        flags: RunscFlags,
         *,
-        network: str,
-        overlay: str,
-        rootless: bool = False,
-        platform: str | None = None,
-        directfs: bool = True,
-        oci_seccomp: bool = False,
         prefix: Sequence[str] = (),
         log_dir: Path,
         timeout: float = 120.0,
@@ -259,9 +229,7 @@ class Runsc:
             *prefix,
             *self._argv(
                 "restore", f"--image-path={image_path}", f"--bundle={bundle}", "--detach",
-                sandbox_id,
-                network=network, overlay=overlay, rootless=rootless, platform=platform,
-                host_uds=True, directfs=directfs, oci_seccomp=oci_seccomp,
+                sandbox_id, flags=flags,
             ),
         ]  # fmt: skip
         self._run_logged(argv, sandbox_id, log_dir, timeout, "runsc restore")

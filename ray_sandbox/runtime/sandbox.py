@@ -51,7 +51,7 @@ from .errors import (
 )
 from .images import Image, ImageStore
 from .results import ExecResult, FileInfo, FileType, OutputChunk, SandboxState, SandboxStatus
-from .runsc import TARGET_VERSION, Runsc
+from .runsc import TARGET_VERSION, Runsc, RunscFlags
 from .snapshot import (
     Snapshot,
     SnapshotDir,
@@ -105,6 +105,12 @@ class SandboxRecord(BaseModel):
     @property
     def sandbox_config(self) -> SandboxConfig:
         return SandboxConfig(**self.config)
+
+    @property
+    def runsc_flags(self) -> RunscFlags:
+        return RunscFlags(network=self.network, overlay=self.overlay, rootless=self.rootless,
+                          platform=self.platform, directfs=self.directfs,
+                          oci_seccomp=self.oci_seccomp)
 
 
 def _process_start(pid: int) -> int | None:
@@ -372,18 +378,8 @@ class SandboxRuntime:
                                image_user=image.config.user or None,
                                image_workdir=image.config.working_dir or None,
                                oci_seccomp=spec.linux.seccomp is not None)
-        self.runsc.run_detached(
-            sandbox_id,
-            sdir.bundle,
-            network=rec.network,
-            overlay=overlay,
-            rootless=rec.rootless,
-            platform=cfg.platform,
-            directfs=rec.directfs,
-            oci_seccomp=rec.oci_seccomp,
-            prefix=attachment.run_prefix,
-            log_dir=sdir.path,
-        )
+        self.runsc.run_detached(sandbox_id, sdir.bundle, rec.runsc_flags,
+                                prefix=attachment.run_prefix, log_dir=sdir.path)
         self._wait_ready(sandbox_id, sdir)
         if cfg.workdir and not cfg.readonly:
             # Like a Dockerfile WORKDIR: it exists even if the image lacks it. Made through
@@ -675,10 +671,7 @@ class SandboxRuntime:
         deadline = time.monotonic() + _CHECKPOINT_RETRY_S
         while True:
             try:
-                self.runsc.checkpoint(rec.sandbox_id, image, network=rec.network,
-                                      overlay=rec.overlay, rootless=rec.rootless,
-                                      platform=rec.platform, directfs=rec.directfs,
-                                      oci_seccomp=rec.oci_seccomp)
+                self.runsc.checkpoint(rec.sandbox_id, image, rec.runsc_flags)
                 return
             except CommandError as exc:
                 if "encoding error" not in (exc.stderr or "") or time.monotonic() > deadline:
@@ -786,11 +779,8 @@ class SandboxRuntime:
                                image_user=snap.image_user, image_workdir=snap.image_workdir,
                                oci_seccomp=spec_model.linux.seccomp is not None)
         # The source's global flags: a restore with another --directfs fails (ENOMEM).
-        self.runsc.restore_detached(
-            sandbox_id, sdir.bundle, sd.image, network=rec.network, overlay=overlay,
-            rootless=rec.rootless, platform=rec.platform, directfs=rec.directfs,
-            oci_seccomp=rec.oci_seccomp, prefix=attachment.run_prefix, log_dir=sdir.path,
-        )
+        self.runsc.restore_detached(sandbox_id, sdir.bundle, sd.image, rec.runsc_flags,
+                                    prefix=attachment.run_prefix, log_dir=sdir.path)
         self._wait_ready(sandbox_id, sdir)
         rec = rec.model_copy(update={"phase": "created"})
         self._write_record(sdir, rec)

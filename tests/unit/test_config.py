@@ -12,7 +12,7 @@ from ray_sandbox.runtime.config import (
     parse_size,
 )
 from ray_sandbox.runtime.errors import ConfigError
-from ray_sandbox.runtime.runsc import Runsc, RunscVersion
+from ray_sandbox.runtime.runsc import Runsc, RunscFlags, RunscVersion
 
 
 @pytest.mark.parametrize(
@@ -124,11 +124,14 @@ def _runsc(date: int) -> Runsc:
 
 def test_directfs_defaults_on_and_reaches_runsc_argv_only_when_off():
     assert make_config().directfs is True and make_config(directfs=False).directfs is False
-    kw = {"network": "none", "overlay": "none", "platform": "ptrace", "host_uds": True}
+    base = RunscFlags(network="none", overlay="none", platform="ptrace")
+    hard = base.model_copy(update={"directfs": False, "oci_seccomp": True})
     new = _runsc(20240729)
-    assert "--directfs=false" not in new._argv("run", "ID", **kw)
-    hardened = new._argv("run", "ID", directfs=False, oci_seccomp=True, **kw)
+    assert "--directfs=false" not in new._argv("run", "ID", flags=base)
+    hardened = new._argv("run", "ID", flags=hard)
     assert hardened[-2:] == ["run", "ID"]  # global flags precede the verb
     assert {"--directfs=false", "--oci-seccomp"} <= set(hardened[:-2])
     # 20221219 has no --directfs (rejects the flag); its sentry never uses directfs.
-    assert "--directfs=false" not in _runsc(20221219)._argv("run", "ID", directfs=False, **kw)
+    assert "--directfs=false" not in _runsc(20221219)._argv("run", "ID", flags=hard)
+    # verbs on a running sandbox carry none of a sandbox's own flags
+    assert new._argv("state", "ID") == [new.binary, "--root=/state/runsc", "state", "ID"]
