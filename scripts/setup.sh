@@ -20,11 +20,13 @@ log() { printf '[setup] %s\n' "$*" >&2; }
 . /etc/os-release
 export DEBIAN_FRONTEND=noninteractive
 
-runsc_ok() { command -v runsc >/dev/null && runsc --version 2>/dev/null | grep -q "$RUNSC_WANT"; }
+# Not `runsc --version | grep -q`: grep -q exits at the first match, runsc may then die of
+# SIGPIPE, and pipefail turns that into "wrong version" (seen: a needless reinstall).
+runsc_ok() { command -v runsc >/dev/null && [[ "$(runsc --version 2>/dev/null)" == *"$RUNSC_WANT"* ]]; }
 
 missing=()
 for p in "${PACKAGES[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+  [[ "$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null)" == "install ok installed" ]] || missing+=("$p")
 done
 
 if [ ${#missing[@]} -gt 0 ] || ! runsc_ok; then
