@@ -165,6 +165,10 @@ def _attach_public(st: NetworkState, config: SandboxConfig, state_dir: Path) -> 
     _step(st, state_dir, api_socket=str(api),
           procs=[*st.procs, procs.track(starting.proc, "slirp4netns")])
     ip.link_up(st.tag, "lo")
+    # The sentry runs in its own user namespace (runtime/bundle.py identity_user_namespace),
+    # which does not own this netns: without this, binding ports < 1024 fails (EACCES).
+    # Per netns, so it reaches only this sandbox's namespace.
+    _netns.write_sysctl(st.tag, "net.ipv4.ip_unprivileged_port_start", "0")
     nft.apply(st.tag, policy.public_table(st.tag, _sets(st, st.egress)))
     _step(st, state_dir, table=True, table_netns=st.tag)
     _start_dns(st, config, state_dir, (PUBLIC_DNS_ADDR, 53), nft_netns=st.tag)

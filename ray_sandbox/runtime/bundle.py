@@ -35,6 +35,7 @@ from .errors import SandboxCreationError
 from .spec import (
     Capabilities,
     CpuResources,
+    IDMapping,
     Linux,
     MemoryResources,
     Mount,
@@ -58,6 +59,8 @@ CPU_PERIOD_US = 100_000
 RUN_DIR_SIZE = "256k"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 S_IFMT = 0o170000  # the file-type bits of a mode (Python's stat.S_IFMT is a function)
+# Every uid/gid a 32-bit id can name except 2^32-1 (the kernel's "no id"), mapped to itself.
+IDENTITY_MAP_SIZE = 2**32 - 1
 
 
 @dataclass(frozen=True)
@@ -179,6 +182,21 @@ def no_device_nodes() -> Seccomp:
     )  # fmt: skip
 
 
+def identity_user_namespace() -> tuple[Namespace, list[IDMapping]]:
+    """A user namespace for a ``runsc --network=host`` sandbox in its own netns (``public``).
+
+    With that flag runsc starts the sentry in the user namespace the spec names, else in the
+    caller's: the node's, as uid 0 with the container's capabilities + CAP_SYS_PTRACE, whether
+    or not directfs is on. With this namespace the sentry's capabilities hold only inside it,
+    not over the node. The mapping must be the identity (runsc, as root, refuses anything else
+    at start: "cannot read client sync file"); ids keep their meaning, so image files, the
+    gofer and directfs behave as before. That namespace does not own the sandbox's netns,
+    so the network layer lets any uid bind ports < 1024 there (network/_lifecycle.py).
+    """
+    mapping = [IDMapping(containerID=0, hostID=0, size=IDENTITY_MAP_SIZE)]
+    return Namespace(type="user"), mapping
+
+
 def build_spec(
     *,
     sandbox_id: str,
@@ -244,6 +262,13 @@ def build_spec(
         # Without a path runsc makes a fresh, empty namespace, which would hide the node's
         # network from --network=host.
         namespaces.append(Namespace(type="network", path=netns_path))
+    uid_map = None
+    if host_network and netns_path:
+        # network "public": the sandbox's own netns. Not "host" (trusted code only): the
+        # node's netns is owned by the node's user namespace, so the sandbox could no longer
+        # bind ports < 1024 there, and allowing that would take a node-wide sysctl.
+        userns, uid_map = identity_user_namespace()
+        namespaces.append(userns)
 
     return Spec(
         process=Process(
@@ -259,7 +284,8 @@ def build_spec(
         hostname=hostname,
         mounts=mounts,
         annotations={"dev.ray-sandbox.id": sandbox_id},
-        linux=Linux(namespaces=namespaces, resources=resources,
+        linux=Linux(namespaces=namespaces, uidMappings=uid_map, gidMappings=uid_map,
+                    resources=resources,
                     seccomp=None if "CAP_MKNOD" in caps else no_device_nodes()),
     )
 

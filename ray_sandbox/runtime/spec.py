@@ -68,6 +68,14 @@ class Namespace(_Model):
     path: str | None = None
 
 
+class IDMapping(_Model):
+    """``linux.uidMappings``/``gidMappings`` entry of a user namespace."""
+
+    containerID: int = Field(ge=0)
+    hostID: int = Field(ge=0)
+    size: int = Field(gt=0)
+
+
 class MemoryResources(_Model):
     limit: int | None = None
 
@@ -114,6 +122,8 @@ class Seccomp(_Model):
 
 class Linux(_Model):
     namespaces: list[Namespace] = Field(default_factory=list)
+    uidMappings: list[IDMapping] | None = None
+    gidMappings: list[IDMapping] | None = None
     resources: Resources | None = None
     cgroupsPath: str | None = None
     sysctl: dict[str, str] | None = None

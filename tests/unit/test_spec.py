@@ -126,3 +126,23 @@ def test_transform_does_not_touch_the_original():
     before = spec.to_json()
     apply_transform(spec, lambda s: s["process"].update(cwd="/x"), sandbox_id=SID)
     assert spec.to_json() == before
+
+
+def test_public_network_gets_an_identity_mapped_user_namespace():
+    def linux(**net) -> dict:
+        spec = build_spec(
+            sandbox_id=SID, config=make_config(), rootfs=Path("/images/rootfs"),
+            image_env=[], sdir=SandboxDir(Path("/state") / SID), agent_dir=Path("/opt/agent"),
+            **net,
+        )  # fmt: skip
+        return json.loads(spec.to_json())["linux"]
+
+    public = linux(netns_path="/run/netns/rsb-x", host_network=True)
+    assert {"type": "user"} in public["namespaces"]
+    identity = [{"containerID": 0, "hostID": 0, "size": 2**32 - 1}]
+    assert public["uidMappings"] == public["gidMappings"] == identity
+    # "host" (the node's netns) and the other modes: no user namespace in the spec.
+    for net in ({"host_network": True}, {"netns_path": "/run/netns/rsb-x"}, {}):
+        other = linux(**net)
+        assert all(ns["type"] != "user" for ns in other["namespaces"]), net
+        assert "uidMappings" not in other and "gidMappings" not in other, net
