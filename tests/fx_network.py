@@ -29,7 +29,7 @@ import pytest
 from ray_sandbox import network
 from ray_sandbox.network import dns, ip
 from ray_sandbox.network import netns as _netns
-from ray_sandbox.runtime import _proc, _subreaper
+from ray_sandbox.runtime import _proc, _subreaper, bundle
 from ray_sandbox.runtime.config import SandboxConfig
 from ray_sandbox.runtime.errors import SandboxError
 from ray_sandbox.runtime.runsc import Runsc, RunscFlags
@@ -264,6 +264,11 @@ def oci_spec(rootfs: Path, att: network.NetworkAttachment, state_dir: Path) -> d
         namespaces.append({"type": "network", "path": att.netns_path})
     elif att.runsc_network == "none":
         namespaces.append({"type": "network"})
+    linux: dict = {"namespaces": namespaces}
+    if att.netns_path and att.runsc_network == "host":  # "public": as build_spec does it
+        userns, maps = bundle.identity_user_namespace()
+        namespaces.append(userns.model_dump(exclude_none=True))
+        linux["uidMappings"] = linux["gidMappings"] = [m.model_dump() for m in maps]
     return {
         "ociVersion": "1.0.2",
         "process": {"terminal": False, "user": {"uid": 0, "gid": 0}, "cwd": "/",
@@ -271,7 +276,7 @@ def oci_spec(rootfs: Path, att: network.NetworkAttachment, state_dir: Path) -> d
         "root": {"path": str(rootfs), "readonly": True},
         "hostname": "sbx",
         "mounts": mounts,
-        "linux": {"namespaces": namespaces},
+        "linux": linux,
     }
 
 

@@ -174,8 +174,9 @@ class SandboxConfig(BaseModel):
         description="gVisor's directfs (runsc's default): the sentry opens the sandbox's "
         "files itself, so it runs as root with the container's capabilities. False "
         "(hardening): the gofer serves every file and the sentry runs as host uid 65534 with "
-        "no capabilities, with network 'none' or 'sandbox'; with 'host'/'public' runsc keeps "
-        "it root in the node's user namespace either way (docs/security.md)",
+        "no capabilities, with network 'none' or 'sandbox'; with 'public' it stays uid 0 in "
+        "an identity-mapped user namespace of its own, with 'host' in the node's "
+        "(docs/security.md)",
     )
     labels: dict[str, str] = Field(default_factory=dict)
     spec_transform: Callable[[dict[str, Any]], dict[str, Any] | None] | None = Field(
