@@ -1,4 +1,5 @@
-"""Network modes side by side: attach latency, sandbox create latency, 64 MB download.
+"""Network modes side by side: attach latency, sandbox create latency, 64 MB download, and
+what the public sentry's own user namespace costs.
 
     .venv/bin/python -m benchmarks.bench_network [--n 10]
 
@@ -21,7 +22,7 @@ from pathlib import Path
 from benchmarks._harness import emit, summarize
 from ray_sandbox import network
 from ray_sandbox.network import netns as _netns
-from ray_sandbox.runtime import _proc, _subreaper
+from ray_sandbox.runtime import ImageStore, SandboxRuntime, _proc, _subreaper
 from ray_sandbox.runtime.config import make_config
 from tests.fx_network import (
     BLOB,
@@ -108,11 +109,49 @@ def bench_baselines(n: int, rootfs: Path, base: Path) -> list[dict]:
     return rows
 
 
+def _without_userns(spec: dict) -> None:
+    """The spec as it was before public sandboxes got a user namespace of their own."""
+    linux = spec["linux"]
+    linux["namespaces"] = [ns for ns in linux["namespaces"] if ns["type"] != "user"]
+    linux.pop("uidMappings", None)
+    linux.pop("gidMappings", None)
+
+
+def bench_public_userns(n: int, base: Path, images: ImageStore) -> list[dict]:
+    """A public sandbox with its sentry in its own identity-mapped user namespace (ours) vs
+    in the node's (the spec without it): create and exec ``true``, alternated."""
+    rt = SandboxRuntime(base / "userns-home", images=images)
+    arms = {"own user namespace": None, "node's user namespace (before)": _without_userns}
+    samples: dict[str, tuple[list[float], list[float]]] = {a: ([], []) for a in arms}
+    try:
+        for i in range(n):
+            for arm in (list(arms) if i % 2 == 0 else list(arms)[::-1]):
+                t0 = time.perf_counter()
+                sid = rt.create(image="ray-sandbox/busybox", memory="64Mi", network="public",
+                                spec_transform=arms[arm])
+                samples[arm][0].append((time.perf_counter() - t0) * 1000)
+                try:
+                    for _ in range(20):
+                        t0 = time.perf_counter()
+                        rt.exec(sid, ["true"])
+                        samples[arm][1].append((time.perf_counter() - t0) * 1000)
+                finally:
+                    rt.delete(sid)
+    finally:
+        rt.close()
+    rows = []
+    for arm, (create, exe) in samples.items():
+        rows.append(summarize(f"create public, sentry in {arm}", create))
+        rows.append(summarize(f"exec true public, sentry in {arm}", exe))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=10, help="repetitions per row")
     args = parser.parse_args()
     _subreaper.ensure()
+    images = ImageStore()  # the node's cache, before RAY_SANDBOX_HOME moves below
     with tempfile.TemporaryDirectory(prefix="rsb-bench-") as tmp:
         base = Path(tmp)
         os.environ["RAY_SANDBOX_HOME"] = str(base / "home")
@@ -123,6 +162,7 @@ def main() -> None:
                 rows = bench_attach(args.n, base)
                 rows += bench_sandboxes(args.n, Sandboxes(base / "sbx", rootfs), host_port)
                 rows += bench_baselines(max(3, args.n // 2), rootfs, base)
+                rows += bench_public_userns(args.n, base, images)
             finally:
                 network.gc(set())
                 del os.environ["RAY_SANDBOX_NET_UPSTREAM"]

@@ -5,8 +5,9 @@
     print(ray.get(sb.exec.remote("python3 -c 'print(1)'")).stdout)
     ray.get(sb.terminate.remote())
 
-The Ray layer (``create``, ``get``, ``list``, ``SandboxPool``, …) is imported on first use, so
-``ray_sandbox.runtime`` works without paying for ``import ray``.
+Every name is imported on first use: ``ray_sandbox.runtime`` works without paying for
+``import ray``, and a helper process that needs one stdlib-only module (the DNS helper of a
+public sandbox) starts without the runtime's pydantic models.
 """
 
 from __future__ import annotations
@@ -14,20 +15,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .runtime import (
-    DOCKER_DEFAULT_CAPABILITIES,
-    EgressPolicy,
-    ExecResult,
-    OutputChunk,
-    SandboxConfig,
-    SandboxRuntime,
-    SandboxState,
-    SandboxStatus,
-)
 from .runtime.errors import *  # noqa: F403 - the error tree is public API
 from .runtime.errors import __all__ as _errors
 
-_LAZY = {
+_RUNTIME = ("DOCKER_DEFAULT_CAPABILITIES", "EgressPolicy", "ExecResult", "OutputChunk",
+            "SandboxConfig", "SandboxRuntime", "SandboxState", "SandboxStatus")
+_LAZY = {name: "ray_sandbox.runtime" for name in _RUNTIME} | {
     name: "ray_sandbox.actor"
     for name in (
         "create", "create_from_template", "get", "list", "shutdown",
@@ -44,15 +37,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'ray_sandbox' has no attribute {name!r}")
 
 
-__all__ = [
-    "DOCKER_DEFAULT_CAPABILITIES",
-    "EgressPolicy",
-    "ExecResult",
-    "OutputChunk",
-    "SandboxConfig",
-    "SandboxRuntime",
-    "SandboxState",
-    "SandboxStatus",
-    *_errors,
-    *_LAZY,
-]
+__all__ = [*_errors, *_LAZY]
