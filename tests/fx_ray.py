@@ -48,3 +48,8 @@ def ray_cluster(ray_home, ray_metrics_port):
 
     SandboxRuntime(ray_home, reap=True)  # anything a killed host left behind
     assert leftovers(ray_home) == {}, leftovers(ray_home)
+
+
+def host_pid(ray, host) -> int:
+    """The PID of a sandbox host actor's process (e.g. ``sb._host``)."""
+    return ray.get(host.__ray_call__.remote(lambda self: os.getpid()), timeout=30)

@@ -16,6 +16,7 @@ from ray.util.placement_group import PlacementGroup, placement_group_table
 import ray_sandbox as sandbox
 from ray_sandbox.runtime.errors import SandboxNotFoundError
 from tests.fx_hostile import wait_until
+from tests.fx_ray import host_pid
 
 
 def test_issue_snippet(ray_cluster, tmp_path):
@@ -146,7 +147,6 @@ def test_owner_tied_and_detached_lifetimes(ray_cluster):
 
 def test_files_through_ray_byte_exact(ray_cluster, tmp_path):
     ray = ray_cluster
-    import os
 
     sb = sandbox.create(image="ray-sandbox/busybox", cpu=0.1, memory="128Mi")
     try:
@@ -217,23 +217,19 @@ def _host_gone(ray, host) -> bool:
     return False
 
 
-def _host_pid(ray, host) -> int:
-    return ray.get(host.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
-
-
 def test_idle_host_retires_and_a_stale_handle_gets_a_fresh_host(ray_cluster):
     """A host without sandboxes leaves (so an autoscaler can remove its node); this driver
     still caches its handle, and its next create starts a fresh host instead of failing."""
     ray = ray_cluster
     sb = sandbox.create(image="ray-sandbox/busybox", cpu=0.1, memory="64Mi")
-    old_host, old_pid = sb._host, _host_pid(ray, sb._host)
+    old_host, old_pid = sb._host, host_pid(ray, sb._host)
     ray.get(sb.terminate.remote())
     ray.get(old_host.__ray_call__.remote(lambda self: setattr(self, "_idle_limit", 0.0)))
     assert wait_until(lambda: _host_gone(ray, old_host), 30, 0.2)
     sb = sandbox.create(image="ray-sandbox/busybox", cpu=0.1, memory="64Mi")
     try:
         assert ray.get(sb.exec.remote("echo again")).stdout == "again\n"
-        assert _host_pid(ray, sb._host) != old_pid
+        assert host_pid(ray, sb._host) != old_pid
     finally:
         ray.get(sb.terminate.remote())
 
@@ -254,12 +250,12 @@ def test_create_racing_a_retiring_host_keeps_its_reservation(ray_cluster):
         threading.Timer(1.0, lambda: ray.get_runtime_context().current_actor
                         .__ray_terminate__.remote()).start()
 
+    old_pid = host_pid(ray, host)
     ray.get(host.__ray_call__.remote(retire_soon))
-    t0 = time.monotonic()
     sb = sandbox.create(image="ray-sandbox/busybox", cpu=0.1, memory="64Mi", timeout=60)
     try:
-        assert time.monotonic() - t0 >= 0.9  # it did wait for the retiring host to go
-        assert _host_gone(ray, host)
+        # it was refused by the retiring host and landed on a fresh one
+        assert _host_gone(ray, host) and host_pid(ray, sb._host) != old_pid
         assert ray.get(sb.exec.remote("echo fresh")).stdout == "fresh\n"
         pg_hex = ray.get(sb._host.__ray_call__.remote(lambda self, i: self._pgs[i],
                                                       sb.sandbox_id))

@@ -24,6 +24,7 @@ import pytest
 from ray_sandbox.runtime import SandboxRuntime, SandboxState
 from ray_sandbox.runtime.errors import SandboxDiedError, SandboxError, SandboxNotFoundError
 from tests.fx_hostile import answers, runsc_pid, settle_state, wait_until
+from tests.fx_ray import host_pid
 from tests.fx_runtime import leftovers
 
 FAST = 15.0  # seconds a caller may wait for the error after a kill ("within seconds")
@@ -264,10 +265,6 @@ def _worker(cluster) -> object:
     return node
 
 
-def _host_pid(ray, handle) -> int:
-    return ray.get(handle._host.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
-
-
 def _wait_dead(pid: int, timeout: float = 60) -> bool:
     """Wait until ``pid`` exits. This pytest process is a child subreaper (SandboxRuntime
     makes it one), so Ray workers orphaned by a killed raylet re-parent *here* and stay
@@ -295,7 +292,7 @@ def test_sigkill_of_host_actor_gives_ray_error_and_restart_reaps(chaos_cluster, 
     ref = sb.exec.remote("sleep 60")
     time.sleep(1)
     t0 = time.monotonic()
-    os.kill(_host_pid(ray, sb), signal.SIGKILL)
+    os.kill(host_pid(ray, sb._host), signal.SIGKILL)
     with pytest.raises(ray.exceptions.RayError):
         ray.get(ref, timeout=60)
     assert time.monotonic() - t0 < FAST
@@ -317,7 +314,7 @@ def test_worker_node_death_gives_ray_errors_and_reaper_cleans(chaos_cluster, ray
     sb = sandbox.create(image="ray-sandbox/busybox", cpu=0.1, memory="64Mi",
                         resources={"chaos_worker": 1})
     assert ray.get(sb.exec.remote("echo hi"), timeout=60).stdout == "hi\n"
-    host = _host_pid(ray, sb)
+    host = host_pid(ray, sb._host)
     ref = sb.exec.remote("sleep 60")
     time.sleep(1)
     t0 = time.monotonic()
@@ -348,7 +345,7 @@ def test_shutdown_after_a_node_death_does_not_hang(chaos_cluster):
     sb = sandbox.create(image="ray-sandbox/busybox", cpu=0.1, memory="64Mi",
                         resources={"chaos_worker": 1})
     ray.get(sb.exec.remote("true"), timeout=60)
-    host = _host_pid(ray, sb)
+    host = host_pid(ray, sb._host)
     cluster.remove_node(node, allow_graceful=False)
     call = InFlight(sandbox.shutdown)
     call.kill_now()
@@ -377,7 +374,7 @@ def test_pool_replaces_warm_sandboxes_lost_with_their_host(chaos_cluster, ray_ho
         pool.wait_warm(2, timeout=90)
         stock = ray.get(pool._actor.__ray_call__.remote(lambda self: list(self._warm)))
         warm = [sb.sandbox_id for sb in stock]
-        os.kill(_host_pid(ray, stock[0]), signal.SIGKILL)  # both are on the head's host
+        os.kill(host_pid(ray, stock[0]._host), signal.SIGKILL)  # both are on the head's host
 
         def replaced() -> bool:
             now = ray.get(pool._actor.__ray_call__.remote(

@@ -25,18 +25,12 @@ from .host import (
     ask_hosts,
     call_host,
     forget_hosts,
+    node_alive,
     remove_pg,
 )
 from .template import SandboxTemplate, config_fields, make_template
 
 _NODE_ID_LABEL = "ray.io/node-id"  # every Ray node carries it
-
-
-def _node_ip(node_id: str) -> str:
-    for n in ray.nodes():
-        if n["NodeID"] == node_id and n["Alive"]:
-            return n["NodeManagerAddress"]
-    raise ConfigError(f"no live Ray node {node_id}")
 
 
 def _job_id() -> str:
@@ -131,7 +125,8 @@ def _reserve(
     bundle = dict(bundle)
     selector = dict(label_selector or {})
     if node_id:
-        _node_ip(node_id)  # a live node, or ConfigError
+        if not node_alive(node_id):
+            raise ConfigError(f"no live Ray node {node_id}")
         # The node-id label, not the node:<ip> resource: nodes may share an address.
         selector[_NODE_ID_LABEL] = node_id
     pg = placement_group(

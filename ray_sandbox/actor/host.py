@@ -490,7 +490,7 @@ def call_host(node_id: str, call: Callable[[Any], ray.ObjectRef], pg_hex: str) -
             return host, ray.get(call(host))
         except (HostRetiringError, ray.exceptions.ActorDiedError) as exc:
             # A dead host on a live node retired (a crashed one restarts instead).
-            retry = isinstance(exc, HostRetiringError) or _node_alive(node_id)
+            retry = isinstance(exc, HostRetiringError) or node_alive(node_id)
             if not retry or attempt == _CALL_ATTEMPTS - 1:
                 remove_pg(pg_hex)
                 raise
@@ -502,7 +502,7 @@ def call_host(node_id: str, call: Callable[[Any], ray.ObjectRef], pg_hex: str) -
     raise AssertionError("unreachable")
 
 
-def _node_alive(node_id: str) -> bool:
+def node_alive(node_id: str) -> bool:
     return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
 
 
@@ -539,4 +539,4 @@ def forget_hosts() -> None:
 
 
 __all__ = ["SandboxHost", "HostRetiringError", "NAMESPACE", "all_hosts", "ask_hosts",
-           "call_host", "host_for_node", "remove_pg"]
+           "call_host", "host_for_node", "node_alive", "remove_pg"]

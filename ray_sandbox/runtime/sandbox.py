@@ -179,21 +179,25 @@ def _cgroup_dirs(sandbox_id: str) -> list[Path]:
     return [c / sandbox_id for c in _CGROUP_ROOT.iterdir() if (c / sandbox_id).is_dir()]
 
 
-def _oom_killed(sandbox_id: str) -> bool:
-    """True if the kernel OOM-killed something in the sandbox's memory cgroup: cgroup v1's
-    ``memory.oom_control`` (verified here), or cgroup v2's ``memory.events`` (same counter;
-    not verified on this cgroup-v1 machine)."""
-    for path in (_CGROUP_ROOT / "memory" / sandbox_id / "memory.oom_control",
-                 _CGROUP_ROOT / sandbox_id / "memory.events"):
+def _cgroup_counted(key: str, *files: Path) -> bool:
+    """True if the first readable of ``files`` (a cgroup v1 path, then its v2 twin; v2 is not
+    verified on this cgroup-v1 machine) has a ``key N`` line with N > 0."""
+    for path in files:
         try:
             text = path.read_text()
         except OSError:
             continue
         for line in text.splitlines():
             k, _, v = line.partition(" ")
-            if k == "oom_kill" and v.strip() not in ("", "0"):
+            if k == key and v.strip() not in ("", "0"):
                 return True
     return False
+
+
+def _oom_killed(sandbox_id: str) -> bool:
+    """The kernel OOM-killed something in the sandbox's memory cgroup."""
+    return _cgroup_counted("oom_kill", _CGROUP_ROOT / "memory" / sandbox_id / "memory.oom_control",
+                           _CGROUP_ROOT / sandbox_id / "memory.events")
 
 
 def _accepts(path: Path) -> bool:
@@ -216,18 +220,9 @@ def _stdin_bytes(stdin: bytes | str | None, sandbox_id: str) -> bytes | None:
 
 
 def _pids_exhausted(sandbox_id: str) -> bool:
-    """True if a fork was refused by the sandbox's pids limit (``pids.events``: ``max N``)."""
-    for path in (_CGROUP_ROOT / "pids" / sandbox_id / "pids.events",
-                 _CGROUP_ROOT / sandbox_id / "pids.events"):
-        try:
-            text = path.read_text()
-        except OSError:
-            continue
-        for line in text.splitlines():
-            k, _, v = line.partition(" ")
-            if k == "max" and v.strip() not in ("", "0"):
-                return True
-    return False
+    """A fork was refused by the sandbox's pids limit (``pids.events``: ``max N``)."""
+    return _cgroup_counted("max", _CGROUP_ROOT / "pids" / sandbox_id / "pids.events",
+                           _CGROUP_ROOT / sandbox_id / "pids.events")
 
 
 def _maps_death(method: Callable[..., T]) -> Callable[..., T]:
