@@ -15,7 +15,7 @@ from typing import Any
 
 import ray
 
-from ..runtime import archive
+from ..runtime import archive, hostfs
 
 _CHUNK = 4 << 20
 
@@ -208,20 +208,19 @@ class SandboxHandle:
 
     @property
     def download_file(self) -> _Method:
-        """``download_file.remote(remote_path, local_path)``: written on the caller's node."""
+        """``download_file.remote(remote_path, local_path, max_bytes=1 GiB)``: written on
+        the caller's node, atomically and never through a link (``hostfs.write_atomic``),
+        with the file's permission bits (never setuid/setgid)."""
 
-        def call(remote: str, local: str | Path) -> ray.ObjectRef:
-            local = Path(local)
-            tmp = local.with_name(f".{local.name}.rsb-tmp")
-            try:
-                with open(tmp, "wb") as f:
-                    for ref in self._host.read_stream.options(num_returns="streaming").remote(
-                        self.sandbox_id, remote
-                    ):
-                        f.write(ray.get(ref))
-                tmp.replace(local)
-            finally:
-                tmp.unlink(missing_ok=True)
+        def call(remote: str, local: str | Path, *,
+                 max_bytes: int | None = hostfs.DOWNLOAD_MAX) -> ray.ObjectRef:
+            info = ray.get(self._host.file_op.remote(self.sandbox_id, "stat", remote,
+                                                     follow_symlinks=True))
+            gen = self._host.read_stream.options(num_returns="streaming").remote(
+                self.sandbox_id, remote, max_bytes)
+            chunks = hostfs.bounded((ray.get(ref) for ref in gen), max_bytes, remote,
+                                    self.sandbox_id)
+            hostfs.write_atomic(local, chunks, info.mode)
             return ray.put(None)
 
         return _Method(call)

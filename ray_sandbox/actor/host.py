@@ -426,8 +426,11 @@ class SandboxHost:
                               refs: list[ray.ObjectRef]) -> None:
         self._rt.put_archive(sandbox_id, remote_dir, _fetch(refs))
 
-    def read_stream(self, sandbox_id: str, path: str) -> Iterator[bytes]:
-        yield from _rechunk(self._rt.iter_read(sandbox_id, path))
+    def read_stream(self, sandbox_id: str, path: str,
+                    max_bytes: int | None = None) -> Iterator[bytes]:
+        """The file in ~4 MiB objects; bounded here too, since Ray runs a streaming
+        generator to its end whether or not the caller still reads."""
+        yield from _rechunk(self._rt.iter_read(sandbox_id, path, max_bytes=max_bytes))
 
     def archive_stream(self, sandbox_id: str, remote_dir: str) -> Iterator[bytes]:
         yield from _rechunk(self._rt.get_archive(sandbox_id, remote_dir))

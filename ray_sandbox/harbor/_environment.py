@@ -25,7 +25,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from ..actor import SandboxHandle, SandboxTemplate, create_from_template
 from ..network import set_egress
 from ..runtime import ExecResult as SandboxExecResult
-from ..runtime import FileInfo, FileType, OutputChunk, SandboxConfig
+from ..runtime import OutputChunk, SandboxConfig
 from ..runtime.config import EgressPolicy
 from ..runtime.doctor import diagnose
 from ..runtime.paths import home
@@ -267,10 +267,7 @@ class RaySandboxEnvironment(BaseEnvironment):
         sandbox = self._require()
         target = Path(target_path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        info: FileInfo = await sandbox.stat.remote(source_path)
         await self._transfer(sandbox.download_file, source_path, target)
-        if info.type == FileType.FILE:  # the handle writes new files with the default mode
-            target.chmod(info.mode & 0o7777)
 
     async def download_dir(self, source_dir: str, target_dir: Path | str) -> None:
         await self._transfer(self._require().download_dir, source_dir, target_dir)

@@ -10,11 +10,13 @@ from __future__ import annotations
 import io
 import os
 import posixpath
+import stat
 import tarfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from . import hostfs
 from .errors import SandboxError, SandboxFileError, UnsafePathError
 
 BLOCK = tarfile.BLOCKSIZE
@@ -142,11 +144,23 @@ def extract_local(stream: Iterable[bytes] | BinaryIO, dest: Path) -> None:
     Every path is walked from ``dest`` one component at a time with ``O_NOFOLLOW`` directory
     fds, so a symlink (from the archive or already on disk) is never followed, and files are
     created with ``O_NOFOLLOW``. tarfile's own ``data`` filter is not relied on: Python
-    3.11.7's can be bypassed with a chain of symlinks (CVE-2025-4517)."""
+    3.11.7's can be bypassed with a chain of symlinks (CVE-2025-4517).
+
+    A link's text may look harmless alone while a chain of links leaves ``dest``
+    (``d/l -> ..``, then ``x -> d/l/..``), and a new link can redirect one already there,
+    from this archive or an earlier download. So once the stream is done, every link under
+    ``dest`` is resolved through the links on disk (``hostfs.resolves_inside``). If one that
+    did not escape before now does, the archive's links that escape are removed (all of the
+    archive's links, if it was an older link that now escapes) and UnsafePathError is
+    raised; files, directories and the caller's own links are kept."""
     dest = Path(dest)
+    fresh = not dest.exists()
     dest.mkdir(parents=True, exist_ok=True)
     root = os.open(dest, os.O_RDONLY | os.O_DIRECTORY)
+    links: list[str] = []
     try:
+        # links that already escape are the caller's business, not this archive's
+        before = set() if fresh else hostfs.escaping_links(root)
         with tarfile.open(fileobj=as_file(stream), mode="r|*") as tar:
             for m in tar:
                 rel = member_path(m.name)
@@ -161,10 +175,36 @@ def extract_local(stream: Iterable[bytes] | BinaryIO, dest: Path) -> None:
                     raise
                 except (OSError, ValueError, KeyError) as exc:
                     raise SandboxFileError(f"cannot extract {m.name!r}: {exc}") from None
+                if m.issym():
+                    links.append(rel)
     except tarfile.TarError as exc:
         raise UnsafePathError(f"not a valid tar stream: {exc}") from None
     finally:
+        escaped = sorted(hostfs.escaping_links(root) - before) if links else []
+        if escaped:
+            ours = set(links)
+            _unlink_links(root, ours if set(escaped) - ours else set(escaped))
         os.close(root)
+    if escaped:
+        raise UnsafePathError("symlinks that resolve outside the target were removed: "
+                              + ", ".join(escaped[:10]))
+
+
+def _unlink_links(root: int, rels: set[str]) -> None:
+    """Unlink each of ``rels`` that is still a symlink. Their parents are real directories
+    (extraction never replaces a directory with a link), so this walk is not redirected."""
+    for rel in rels:
+        try:
+            parent, name = _open_parent(root, rel)
+        except (OSError, SandboxError):
+            continue
+        try:
+            if stat.S_ISLNK(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode):
+                os.unlink(name, dir_fd=parent)
+        except OSError:
+            pass  # already gone
+        finally:
+            os.close(parent)
 
 
 def _open_parent(root: int, rel: str) -> tuple[int, str]:

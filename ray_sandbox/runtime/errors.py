@@ -26,7 +26,8 @@
     │   ├── SandboxNotADirectoryError (also NotADirectoryError)
     │   ├── SandboxFileExistsError    (also FileExistsError)
     │   ├── SandboxPermissionError    (also PermissionError)
-    │   └── UnsafePathError           a path or archive member would escape its target
+    │   ├── UnsafePathError           a path or archive member would escape its target
+    │   └── FileTooLargeError         a file is larger than the call's max_bytes
     └── NetworkError                  network namespace / egress setup failed
 
 A command that runs and exits non-zero is a result (``ExecResult.exit_code``), never an error.
@@ -64,6 +65,7 @@ __all__ = [
     "SandboxFileExistsError",
     "SandboxPermissionError",
     "UnsafePathError",
+    "FileTooLargeError",
     "NetworkError",
 ]
 
@@ -214,6 +216,10 @@ class SandboxPermissionError(SandboxFileError, PermissionError):
 
 class UnsafePathError(SandboxFileError, ValueError):
     """A path or archive member would land outside its target."""
+
+
+class FileTooLargeError(SandboxFileError):
+    """A file read from a sandbox is larger than the call's ``max_bytes`` (nothing kept)."""
 
 
 class NetworkError(SandboxError):

@@ -28,7 +28,7 @@ from typing import Any, BinaryIO, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from . import _mount, _subreaper, archive, bundle, disk, paths
+from . import _mount, _subreaper, archive, bundle, disk, hostfs, paths
 from .agent.client import AgentClient, AgentProcess, connect_agent_socket
 from .agent.pyrepl import PythonContext, PythonResult
 from .bundle import SandboxDir
@@ -1167,8 +1167,11 @@ class SandboxRuntime:
         return self._client(sandbox_id)
 
     @_maps_death
-    def read_file(self, sandbox_id: str, path: str) -> bytes:
-        return self._files(sandbox_id).read_file(path)
+    def read_file(self, sandbox_id: str, path: str, *,
+                  max_bytes: int | None = hostfs.READ_MAX) -> bytes:
+        """The file's bytes; over ``max_bytes`` (default 64 MiB, None for no bound) raises
+        FileTooLargeError, whatever the sandbox claims its size is."""
+        return b"".join(self.iter_read(sandbox_id, path, max_bytes=max_bytes))
 
     def write_file(
         self, sandbox_id: str, path: str, data: str | bytes | Iterable[bytes] | BinaryIO, *,
@@ -1186,27 +1189,26 @@ class SandboxRuntime:
             self._files(sandbox_id).write_file(remote_path, f, mode=mode)
 
     @_maps_death
-    def download_file(self, sandbox_id: str, remote_path: str, local_path: str | Path) -> None:
-        """Copy a sandbox file to the host, streaming; written atomically, mode kept."""
-        local = Path(local_path)
-        tmp = local.with_name(f".{local.name}.rsb-tmp")
-        try:
-            client = self._files(sandbox_id)
-            mode = client.stat(remote_path, follow_symlinks=True).mode
-            with open(tmp, "wb") as f:
-                for chunk in client.iter_read(remote_path):
-                    f.write(chunk)
-            os.chmod(tmp, mode & 0o777)  # like cp: no setuid/setgid bits from the sandbox
-            os.replace(tmp, local)
-        finally:
-            tmp.unlink(missing_ok=True)
+    def download_file(self, sandbox_id: str, remote_path: str, local_path: str | Path, *,
+                      max_bytes: int | None = hostfs.DOWNLOAD_MAX) -> None:
+        """Copy a sandbox file to the host, streaming; written atomically and never through
+        a link (see ``hostfs.write_atomic``), mode kept. Over ``max_bytes`` (default 1 GiB,
+        None for no bound) raises FileTooLargeError and leaves nothing."""
+        client = self._files(sandbox_id)
+        mode = client.stat(remote_path, follow_symlinks=True).mode
+        chunks = hostfs.bounded(client.iter_read(remote_path), max_bytes, remote_path,
+                                sandbox_id)
+        hostfs.write_atomic(local_path, chunks, mode)
 
-    def iter_read(self, sandbox_id: str, path: str) -> Iterator[bytes]:
-        return self._files(sandbox_id).iter_read(path)
+    def iter_read(self, sandbox_id: str, path: str, *,
+                  max_bytes: int | None = None) -> Iterator[bytes]:
+        """The file's bytes in chunks (bounded memory); past ``max_bytes`` FileTooLargeError."""
+        return hostfs.bounded(self._files(sandbox_id).iter_read(path), max_bytes, path,
+                              sandbox_id)
 
     @_maps_death
-    def stat(self, sandbox_id: str, path: str) -> FileInfo:
-        return self._files(sandbox_id).stat(path)
+    def stat(self, sandbox_id: str, path: str, *, follow_symlinks: bool = False) -> FileInfo:
+        return self._files(sandbox_id).stat(path, follow_symlinks=follow_symlinks)
 
     def exists(self, sandbox_id: str, path: str) -> bool:
         try:

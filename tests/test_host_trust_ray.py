@@ -1,0 +1,50 @@
+"""The Ray layer trusts nothing a sandbox controls (issue 15): downloads through a handle
+never follow planted links and are bounded, on a real local Ray cluster."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+import ray_sandbox as sandbox
+from ray_sandbox.runtime.errors import FileTooLargeError
+
+
+@pytest.fixture(scope="module")
+def sb(ray_cluster):
+    handle = sandbox.create(image="ray-sandbox/busybox", cpu=0.1, memory="128Mi")
+    yield handle
+    ray_cluster.get(handle.terminate.remote())
+
+
+def test_handle_download_never_writes_through_a_planted_link(ray_cluster, sb, tmp_path):
+    ray = ray_cluster
+    dest = tmp_path / "dest"
+    plant = ("rm -rf /tmp/o && mkdir -p /tmp/o/d && cd /tmp/o && ln -s .. d/l &&"
+             " ln -s d/l/../victim .result.txt.rsb-tmp && echo owned > /tmp/res.txt &&"
+             " chmod 4755 /tmp/res.txt")
+    assert ray.get(sb.exec.remote(["/bin/sh", "-c", plant])).exit_code == 0
+    try:
+        ray.get(sb.download_dir.remote("/tmp/o", dest))
+    except sandbox.UnsafePathError:
+        pass
+    # whatever the archive check left, a link at the old temp name must not be followed
+    if not os.path.lexists(dest / ".result.txt.rsb-tmp"):
+        os.symlink("../victim2", dest / ".result.txt.rsb-tmp")
+    ray.get(sb.download_file.remote("/tmp/res.txt", dest / "result.txt"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dest"], "wrote outside dest"
+    st = os.lstat(dest / "result.txt")
+    assert stat.S_ISREG(st.st_mode) and st.st_mode & 0o7777 == 0o755  # mode kept, no setuid
+    assert (dest / "result.txt").read_bytes() == b"owned\n"
+
+
+def test_handle_reads_are_bounded(ray_cluster, sb, tmp_path):
+    ray = ray_cluster
+    assert ray.get(sb.exec.remote(["/bin/sh", "-c", "truncate -s 8G /tmp/huge"])).exit_code == 0
+    with pytest.raises(FileTooLargeError):
+        ray.get(sb.read_file.remote("/tmp/huge"))
+    with pytest.raises(FileTooLargeError):
+        ray.get(sb.download_file.remote("/tmp/huge", tmp_path / "got", max_bytes=8 << 20))
+    assert list(tmp_path.iterdir()) == []
