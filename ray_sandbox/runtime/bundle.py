@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import _mount
-from .config import SandboxConfig
+from .config import SandboxConfig, node_pids_limit
 from .errors import SandboxCreationError
 from .spec import (
     Capabilities,
@@ -255,7 +255,8 @@ def build_spec(
     if config.cpu is not None:
         resources.cpu = CpuResources(quota=int(config.cpu * CPU_PERIOD_US), period=CPU_PERIOD_US)
     if config.pids_limit is not None:
-        resources.pids = PidsResources(limit=config.pids_limit)
+        limit = node_pids_limit() if config.pids_limit == "auto" else config.pids_limit
+        resources.pids = PidsResources(limit=limit)
 
     namespaces = [Namespace(type=t) for t in ("pid", "ipc", "uts", "mount")]
     if not host_network or netns_path:

@@ -64,6 +64,15 @@ _UNITS = {
 }  # fmt: skip
 
 _MAX_SIZE = 2**60
+# Past threading.TIMEOUT_MAX (~292 years) a wait raises OverflowError; long before that a
+# number is a mistake. A sandbox may live a year; one exec call may take a week.
+MAX_TTL = 365 * 86400.0
+MAX_TIMEOUT = 7 * 86400.0
+AGENT_DIR = "/.rsb"  # the in-sandbox agent's own directory (docs/agent.md)
+# pids_limit="auto": the node's pid_max is shared by this many sandboxes at their limit, with
+# half of it left to everything else on the node.
+PLANNED_DENSITY = 32
+_AUTO_PIDS = (256, 4096)
 _MIN_DISK = 2**20
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
 _LABEL = r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?"
@@ -148,11 +157,12 @@ class SandboxConfig(BaseModel):
         "workdir), enforced by a loop-mounted ext4 of that size: writes beyond fail with "
         "ENOSPC inside; '1Gi' accepted; None = unbounded",
     )
-    pids_limit: int | None = Field(
-        4096,
+    pids_limit: int | Literal["auto"] | None = Field(
+        "auto",
         description="host tasks (processes + threads) the sandbox may use; on ptrace each "
-        "guest process costs ~9. Reaching it stops the whole sandbox (reason PidsLimit); "
-        "None = unbounded, which lets one sandbox exhaust the node's pid_max",
+        "guest process costs ~9. Reaching it stops the whole sandbox (reason PidsLimit). "
+        "'auto' = sized on the node from its pid_max (see node_pids_limit); None = "
+        "unbounded, which lets one sandbox exhaust the node's pid_max",
     )
     env: dict[str, str] = Field(default_factory=dict)
     workdir: str | None = None
@@ -229,7 +239,8 @@ class SandboxConfig(BaseModel):
         if not v.startswith("/") or "\0" in v:
             raise ValueError("workdir must be an absolute path")
         norm = os.path.normpath(v)
-        if norm in ("/", "/proc", "/sys", "/dev") or norm.startswith(("/proc/", "/sys/", "/dev/")):
+        system = ("/proc", "/sys", "/dev", AGENT_DIR)
+        if norm == "/" or norm in system or norm.startswith(tuple(d + "/" for d in system)):
             raise ValueError(f"workdir {v!r} cannot be a system directory")
         return norm
 
@@ -258,9 +269,12 @@ class SandboxConfig(BaseModel):
 
     @field_validator("ttl_seconds", "timeout_seconds")
     @classmethod
-    def _positive(cls, v: float | None) -> float | None:
+    def _positive(cls, v: float | None, info: Any) -> float | None:
         if v is not None and not (v > 0 and math.isfinite(v)):
             raise ValueError("must be a positive, finite number of seconds")
+        limit = MAX_TTL if info.field_name == "ttl_seconds" else MAX_TIMEOUT
+        if v is not None and v > limit:
+            raise ValueError(f"must be at most {limit:.0f} seconds")
         return v
 
     @field_validator("dns")
@@ -295,8 +309,8 @@ class SandboxConfig(BaseModel):
 
     @field_validator("pids_limit")
     @classmethod
-    def _pids(cls, v: int | None) -> int | None:
-        if v is not None and v < 256:
+    def _pids(cls, v: int | str | None) -> int | str | None:
+        if isinstance(v, int) and v < 256:
             raise ValueError("pids_limit below 256 leaves gVisor itself no room (it needs ~30)")
         return v
 
@@ -333,6 +347,32 @@ class SandboxConfig(BaseModel):
     @property
     def effective_capabilities(self) -> tuple[str, ...]:
         return DOCKER_DEFAULT_CAPABILITIES if self.capabilities is None else self.capabilities
+
+
+def auto_pids_limit(pid_max: int, density: int = PLANNED_DENSITY) -> int:
+    """The ``pids_limit="auto"`` value: half of ``pid_max`` over ``density`` sandboxes,
+    within 256..4096 (below 256 gVisor itself has no room)."""
+    lo, hi = _AUTO_PIDS
+    return max(lo, min(hi, pid_max // (2 * max(1, density))))
+
+
+def node_pid_max() -> int:
+    try:
+        with open("/proc/sys/kernel/pid_max") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 32768  # the kernel's default
+
+
+def node_pids_limit() -> int:
+    """``auto_pids_limit`` for this node's pid_max; the planned density is
+    ``RAY_SANDBOX_PLANNED_DENSITY`` (default 32)."""
+    pid_max = node_pid_max()
+    try:
+        density = int(os.environ.get("RAY_SANDBOX_PLANNED_DENSITY", PLANNED_DENSITY))
+    except ValueError:
+        raise ConfigError("RAY_SANDBOX_PLANNED_DENSITY must be an integer") from None
+    return auto_pids_limit(pid_max, density)
 
 
 def make_config(

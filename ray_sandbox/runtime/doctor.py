@@ -9,6 +9,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from . import disk
+from .config import node_pid_max, node_pids_limit
 from .errors import SandboxError
 from .runsc import TARGET_VERSION, Runsc
 
@@ -77,8 +78,9 @@ def diagnose() -> Report:
     checks.append(Check(name="platform", ok=True,
                         detail=f"ptrace (default), systrap available; KVM {kvm} — not used"))
     if _has_pids_controller():
-        checks.append(Check(name="pids", ok=True,
-                            detail="pids_limit enforced (default 4096 per sandbox)"))
+        checks.append(Check(name="pids", ok=True, detail=(
+            f"pids_limit enforced; 'auto' (the default) is {node_pids_limit()} per sandbox "
+            f"here: half of pid_max {node_pid_max()} over RAY_SANDBOX_PLANNED_DENSITY sandboxes")))
     else:
         not_enforced.append("pids_limit: no pids cgroup controller (fork bombs are bounded "
                             "only by memory)")

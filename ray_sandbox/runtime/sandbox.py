@@ -12,6 +12,7 @@ import contextlib
 import functools
 import heapq
 import json
+import logging
 import os
 import re
 import shutil
@@ -63,6 +64,7 @@ from .snapshot import (
 from .spec import Spec
 
 T = TypeVar("T")
+_log = logging.getLogger(__name__)
 _ID_RE = re.compile(r"^[0-9a-f]{32}$")
 _READY_TIMEOUT = 20.0
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -1343,15 +1345,17 @@ class SandboxRuntime:
                 deadline, sid = self._ttl_heap[0]
                 delay = deadline - time.time()
                 if delay > 0:
-                    self._ttl_cv.wait(timeout=delay)
+                    # capped: a far deadline must not overflow the wait (and the loop wakes
+                    # for earlier ones anyway, through notify)
+                    self._ttl_cv.wait(timeout=min(delay, 3600.0))
                     continue
                 heapq.heappop(self._ttl_heap)
                 live = sid in self._owned
             if live:
                 try:
                     self._destroy(sid, reason="TTLExpired")
-                except SandboxError:
-                    pass
+                except Exception:  # one failed teardown must not end every other TTL
+                    _log.exception("TTL teardown of sandbox %s failed", sid)
 
     def gc(self) -> list[str]:
         """Remove what dead owners left behind: sandboxes whose creator died, expired

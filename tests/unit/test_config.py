@@ -135,3 +135,12 @@ def test_directfs_defaults_on_and_reaches_runsc_argv_only_when_off():
     assert "--directfs=false" not in _runsc(20221219)._argv("run", "ID", flags=hard)
     # verbs on a running sandbox carry none of a sandbox's own flags
     assert new._argv("state", "ID") == [new.binary, "--root=/state/runsc", "state", "ID"]
+
+
+def test_auto_pids_limit_is_half_the_pid_space_over_the_planned_density():
+    from ray_sandbox.runtime.config import auto_pids_limit
+
+    assert auto_pids_limit(32768, 32) == 512
+    assert auto_pids_limit(32768, 1000) == 256  # never below what gVisor itself needs
+    assert auto_pids_limit(4194304, 32) == 4096  # nor above the old fixed default
+    assert auto_pids_limit(4194304, 1000) == 2097

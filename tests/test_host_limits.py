@@ -1,0 +1,49 @@
+"""Safe defaults and bounded background work on the host (issue 15, findings 11, 12, 17):
+a sandbox's limits cannot be set so that they break the runtime, and the defaults leave the
+node room for its other sandboxes. Real runsc."""
+
+from __future__ import annotations
+
+import pytest
+
+from ray_sandbox.runtime import SandboxState
+from ray_sandbox.runtime.config import PLANNED_DENSITY, node_pid_max, node_pids_limit
+from ray_sandbox.runtime.errors import ConfigError
+from tests.fx_hostile import cgroup_value, wait_until
+
+
+def test_a_huge_ttl_is_refused_and_other_ttls_still_fire(runtime):
+    """ttl_seconds=1e10 used to pass validation and kill the TTL thread (OverflowError), so
+    no other TTL of that runtime ever fired again."""
+    try:
+        sid = runtime.create(image="ray-sandbox/busybox", memory="64Mi", ttl_seconds=1e10)
+    except ConfigError:
+        pass
+    else:
+        runtime.delete(sid)
+    sid = runtime.create(image="ray-sandbox/busybox", memory="64Mi", ttl_seconds=1)
+    try:
+        wait_until(lambda: runtime.get_status(sid).state == SandboxState.TERMINATED, 15)
+        st = runtime.get_status(sid)
+        assert (st.state, st.reason) == (SandboxState.TERMINATED, "TTLExpired")
+    finally:
+        runtime.delete(sid)
+
+
+@pytest.mark.parametrize("bad", [dict(timeout_seconds=1e10), dict(ttl_seconds=1e10),
+                                 dict(workdir="/.rsb/run"), dict(workdir="/.rsb")])
+def test_unusable_configs_are_refused_before_any_work(runtime, bad):
+    with pytest.raises(ConfigError, match=next(iter(bad))):
+        runtime.create(image="ray-sandbox/busybox", memory="64Mi", **bad)
+
+
+def test_default_pids_limit_leaves_the_node_room(runtime):
+    """A default sandbox could hold ~4,070 host tasks: nine exhausted pid_max 32768. The
+    default is now sized from pid_max: PLANNED_DENSITY sandboxes at their limit use half."""
+    sid = runtime.create(image="ray-sandbox/busybox", memory="64Mi")
+    try:
+        limit = int(cgroup_value("pids", sid, "pids.max"))
+    finally:
+        runtime.delete(sid)
+    assert limit == node_pids_limit()
+    assert limit * PLANNED_DENSITY <= max(node_pid_max() // 2, 256 * PLANNED_DENSITY)
