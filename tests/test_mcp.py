@@ -329,6 +329,32 @@ def test_http_sessions(http_server: str, rt_home: Path) -> None:
     run(main)
 
 
+def test_http_results_fit_the_clients_event_limit(http_server: str, rt_home: Path) -> None:
+    """The official client refuses SSE events over 1 MiB; a result is sent twice (structured
+    and as text) and JSON escapes control characters six-fold. Big or hostile files and
+    outputs come back truncated, never as a client error (issue 15 #15), and the server
+    gives every session a bounded disk (#8)."""
+
+    async def main() -> None:
+        async with http_client(http_server, mode="legacy") as client:
+            plain = await call(client, "run_python", code=(
+                "open('big.txt', 'w').write('a' * 700_000);"
+                "open('ctl.txt', 'w').write(chr(1) * 300_000)"))
+            assert plain["exit_code"] == 0, plain["stderr"]
+            for name in ("ctl.txt", "big.txt"):
+                got = await call(client, "read_file", path=name, session=plain["session"])
+                assert got["truncated"] and got["size"] in (700_000, 300_000)
+                assert 0 < len(got["content"]) < got["size"]
+            loud = await call(client, "run_shell", session=plain["session"],
+                              command="head -c 300000 /dev/zero | tr '\\0' '\\1'")
+            assert loud["exit_code"] == 0 and loud["truncated"]
+            fill = await call(client, "run_shell", session=plain["session"], timeout=120,
+                              command="head -c 1100M /dev/zero > fill; echo $?; rm -f fill")
+            assert fill["stdout"].strip() != "0" and "space" in fill["stderr"], fill
+
+    run(main)
+
+
 # --- configuration --------------------------------------------------------------------------
 
 

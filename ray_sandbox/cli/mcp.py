@@ -42,6 +42,8 @@ def serve(
                                       env="IMAGE")] = None,
     cpu: Annotated[float | None, _opt("CPU cores per sandbox", env="CPU")] = None,
     memory: Annotated[str | None, _opt("memory per sandbox, e.g. 1Gi", env="MEMORY")] = None,
+    disk: Annotated[str | None, _opt("disk each sandbox may write, e.g. 4Gi (default 1Gi)",
+                                     env="DISK")] = None,
     network: Annotated[str | None, _opt("none | public | host | sandbox", env="NETWORK")] = None,
     egress: Annotated[str | None, _opt(
         'egress policy JSON, e.g. \'{"allow_domains": ["pypi.org"], "default": "deny"}\'',
@@ -69,7 +71,7 @@ def serve(
         raise typer.Exit(2) from None
     data: dict[str, Any] = _json(config.read_text(), "--config") if config else {}
     sandbox = {**default_sandbox().model_dump(exclude_unset=True), **data.get("sandbox", {})}
-    sandbox.update(_given(image=image, cpu=cpu, memory=memory, network=network,
+    sandbox.update(_given(image=image, cpu=cpu, memory=memory, disk=disk, network=network,
                           egress=_json(egress, "--egress")))
     data.update(_given(
         transport=transport, host=host, port=port, path=path, token=token,

@@ -14,8 +14,10 @@ Transport = Literal["stdio", "http"]
 
 
 def default_sandbox() -> SandboxConfig:
-    """A private, writable Python sandbox without network, working in /workspace."""
-    return SandboxConfig(image="ray-sandbox/python", readonly=False, workdir="/workspace")
+    """A private, writable Python sandbox without network, working in /workspace, that may
+    write at most 1 GiB to the node's disk (model code fills whatever it is given)."""
+    return SandboxConfig(image="ray-sandbox/python", readonly=False, workdir="/workspace",
+                         disk="1Gi")
 
 
 class MCPServerConfig(BaseModel):

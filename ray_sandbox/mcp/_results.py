@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import codecs
+import json
 from typing import Literal, Self
 
 from pydantic import BaseModel, Field
@@ -79,15 +80,40 @@ class SessionEnded(BaseModel):
     ended: bool = Field(description="False when there was no session to end")
 
 
+# The official client refuses a server-sent event over 1 MiB, and a tool result goes out twice
+# (structured content and its JSON text). So each text field of a result gets at most this
+# many characters of JSON, whatever the limits in bytes say: escaping turns one control byte
+# into six characters (\u0001).
+WIRE_CHARS = 200 * 1024
+
+
 def capped_text(data: bytes, limit: int) -> tuple[str, bool]:
-    """At most ``limit`` bytes as text (invalid UTF-8 replaced), and whether it was cut."""
-    return data[:limit].decode("utf-8", errors="replace"), len(data) > limit
+    """At most ``limit`` bytes as text (invalid UTF-8 replaced) that fits WIRE_CHARS once
+    JSON-escaped, and whether it was cut."""
+    n = min(len(data), limit)
+    while True:
+        text = data[:n].decode("utf-8", errors="replace")
+        if _fits(text):
+            return text, n < len(data)
+        n //= 2
 
 
-def file_text(data: bytes, partial: bool) -> tuple[str, Literal["utf-8", "base64"]]:
-    """UTF-8 text when the bytes are UTF-8 (a character cut by ``partial`` reading is
-    dropped), else base64."""
-    try:
-        return codecs.getincrementaldecoder("utf-8")().decode(data, final=not partial), "utf-8"
-    except UnicodeDecodeError:
-        return base64.b64encode(data).decode("ascii"), "base64"
+def file_text(data: bytes, limit: int) -> tuple[str, Literal["utf-8", "base64"], bool]:
+    """The first bytes of ``data`` (at most ``limit``, and fitting WIRE_CHARS once encoded)
+    as UTF-8 text when they are UTF-8 (a character cut by the limit is dropped), else
+    base64; and whether anything was cut."""
+    n = min(len(data), limit)
+    while True:
+        cut = n < len(data)
+        try:
+            text: str = codecs.getincrementaldecoder("utf-8")().decode(data[:n], final=not cut)
+            encoding: Literal["utf-8", "base64"] = "utf-8"
+        except UnicodeDecodeError:
+            text, encoding = base64.b64encode(data[:n]).decode("ascii"), "base64"
+        if _fits(text):
+            return text, encoding, cut
+        n //= 2
+
+
+def _fits(text: str) -> bool:
+    return len(text) <= WIRE_CHARS // 6 or len(json.dumps(text)) <= WIRE_CHARS

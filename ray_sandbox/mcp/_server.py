@@ -181,9 +181,9 @@ class SandboxMCPServer:
             return bytes(data), max(info.size, len(data))
 
         handle, (data, size) = await self._call(ctx, session, read)
-        content, encoding = file_text(data[:limit], partial=len(data) > limit)
+        content, encoding, cut = file_text(data, limit)
         return FileContent(session=handle, path=target, content=content, encoding=encoding,
-                           size=size, truncated=len(data) > limit)
+                           size=size, truncated=cut)
 
     async def write_file(self, path: PathArg, content: str, ctx: Context,
                          session: SessionArg = None) -> FileWritten:
