@@ -48,3 +48,18 @@ def test_handle_reads_are_bounded(ray_cluster, sb, tmp_path):
     with pytest.raises(FileTooLargeError):
         ray.get(sb.download_file.remote("/tmp/huge", tmp_path / "got", max_bytes=8 << 20))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_default_writable_root_has_a_bounded_disk(ray_cluster, ray_home):
+    """Through Ray the root is writable by default; it used to be unbounded, so one rollout
+    could fill the node's disk (2 GiB at ~860 MiB/s in the finding, #13)."""
+    from tests.fx_runtime import loops_backed_by
+
+    handle = sandbox.create(image="ray-sandbox/busybox", cpu=0.1, memory="128Mi")
+    try:
+        assert ray_cluster.get(handle.exec.remote("touch /written")).exit_code == 0
+        record = (ray_home / "sandboxes" / handle.sandbox_id / "record.json").read_text()
+        assert '"disk":4294967296' in record.replace(" ", ""), record[:400]
+        assert loops_backed_by(ray_home / "sandboxes" / handle.sandbox_id), "no capped fs"
+    finally:
+        ray_cluster.get(handle.terminate.remote())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -11,6 +12,7 @@ from ..runtime.config import SandboxConfig, make_config
 from ..runtime.errors import ConfigError
 
 _MIN_CPU_RESERVATION = 0.0001  # Ray's resource granularity
+DEFAULT_DISK = "4Gi"  # a writable root's default cap through Ray (sparse: costs what is used)
 
 
 class SandboxTemplate(BaseModel):
@@ -49,6 +51,10 @@ def make_template(template: SandboxTemplate | None = None, **kwargs: Any) -> San
         # Agent workloads write anywhere (pip install, mkdir /app): through Ray the default
         # root is a private copy-on-write layer. SandboxRuntime keeps read-only as default.
         kwargs.setdefault("readonly", False)
+        if not kwargs["readonly"] and os.geteuid() == 0:
+            # ...and what it writes lands on the node's disk, so it is capped by default:
+            # one rollout must not fill the disk under its neighbours (disk= needs root).
+            kwargs.setdefault("disk", DEFAULT_DISK)
     base = template or SandboxTemplate()
     config = make_config(base.config, **kwargs) if kwargs else base.config
     try:
