@@ -47,3 +47,24 @@ def test_default_pids_limit_leaves_the_node_room(runtime):
         runtime.delete(sid)
     assert limit == node_pids_limit()
     assert limit * PLANNED_DENSITY <= max(node_pid_max() // 2, 256 * PLANNED_DENSITY)
+
+
+def test_a_second_home_on_a_shared_store_keeps_the_first_homes_pins(temp_store,
+                                                                       busybox_sources,
+                                                                       tmp_path):
+    """#7: a runtime starting in a second home ran gc over the shared image store and
+    unpinned the first home's live images; a later remove deleted a running root fs."""
+    from ray_sandbox.runtime import SandboxRuntime
+    from ray_sandbox.runtime.images import ImageInUseError
+
+    image = temp_store.get(busybox_sources["oci"])
+    first = SandboxRuntime(tmp_path / "a", images=temp_store)
+    try:
+        sid = first.create(image=busybox_sources["oci"], memory="64Mi")
+        SandboxRuntime(tmp_path / "b", images=temp_store).close()  # its gc runs at start
+        with pytest.raises(ImageInUseError):
+            temp_store.remove(image.digest)
+        assert first.exec(sid, ["cat", "/bin/busybox"]).exit_code == 0
+    finally:
+        first.close()
+    assert temp_store.pins(image.digest) == set()

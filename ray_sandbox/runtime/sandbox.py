@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import heapq
 import json
 import logging
@@ -262,6 +263,7 @@ class SandboxRuntime:
     ) -> None:
         self.home = Path(home) if home is not None else paths.home()
         self.sandboxes_dir = self.home / "sandboxes"
+        self._pin_prefix = hashlib.sha256(str(self.home.resolve()).encode()).hexdigest()[:12] + ":"
         self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         self.snapshots_dir = self.home / "snapshots"
         self.snapshots_dir.mkdir(parents=True, exist_ok=True)
@@ -312,7 +314,7 @@ class SandboxRuntime:
             rec = self._start(sandbox_id, sdir, cfg, image, agent, detach)
         except BaseException as exc:
             self._destroy(sandbox_id)
-            self.images.unpin(image.digest, sandbox_id)  # the record may not exist yet
+            self.images.unpin(image.digest, self._pin_owner(sandbox_id))  # no record yet
             if isinstance(exc, SandboxCreationError):
                 raise
             if isinstance(exc, SandboxError):
@@ -331,13 +333,18 @@ class SandboxRuntime:
                 self._schedule_ttl(sandbox_id, rec.ttl_deadline)
         return sandbox_id
 
+    def _pin_owner(self, sandbox_id: str) -> str:
+        """The image pin of a sandbox: ``<home key>:<id>``, so that runtimes of several homes
+        on one shared image store never take each other's pins for stale ones."""
+        return self._pin_prefix + sandbox_id
+
     def _get_pinned(self, ref: str, sandbox_id: str) -> Image:
         """The image, pinned for this sandbox (a concurrent remove between get and pin makes
         the store fetch it again)."""
         for attempt in range(3):
             image = self.images.get(ref)
             try:
-                self.images.pin(image.digest, sandbox_id)
+                self.images.pin(image.digest, self._pin_owner(sandbox_id))
                 return image
             except ImageNotFoundError:
                 if attempt == 2:
@@ -515,7 +522,7 @@ class SandboxRuntime:
             errors.append(exc)
         rec = self._load_record(sandbox_id)
         if rec is not None:
-            self.images.unpin(rec.image_digest, sandbox_id)
+            self.images.unpin(rec.image_digest, self._pin_owner(sandbox_id))
         for cg in _cgroup_dirs(sandbox_id):
             try:
                 cg.rmdir()
@@ -1396,9 +1403,11 @@ class SandboxRuntime:
         self._kill_stray_runsc(live)
         network.gc(live)
         removed += self._gc_snapshots()
+        # The store may be shared by several homes: only this home's pins are ours to judge.
+        mine = {self._pin_owner(sid) for sid in live}
         for image in self.images.list():
-            for owner in self.images.pins(image.digest) - live:
-                if _ID_RE.match(owner):
+            for owner in self.images.pins(image.digest) - mine:
+                if owner.startswith(self._pin_prefix) and _ID_RE.match(owner.split(":")[1]):
                     self.images.unpin(image.digest, owner)
         return sorted(set(removed))
 
