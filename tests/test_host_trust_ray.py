@@ -63,3 +63,15 @@ def test_default_writable_root_has_a_bounded_disk(ray_cluster, ray_home):
         assert loops_backed_by(ray_home / "sandboxes" / handle.sandbox_id), "no capped fs"
     finally:
         ray_cluster.get(handle.terminate.remote())
+
+
+def test_an_unplaceable_create_says_what_it_waits_for(ray_cluster, monkeypatch, caplog):
+    """A create that cannot be placed used to wait without a word (a cpu=1 fork on a
+    2-CPU laptop just hung). It now logs the shortfall while it waits, and a timeout names
+    it."""
+    monkeypatch.setenv("RAY_SANDBOX_WAIT_REPORT_S", "0.5")
+    with caplog.at_level("WARNING", logger="ray_sandbox.actor.api"):
+        with pytest.raises(sandbox.SandboxCreationError, match="no live node is big enough.*CPU"):
+            sandbox.create(image="ray-sandbox/busybox", cpu=64, memory="64Mi", timeout=2)
+    waits = [r.getMessage() for r in caplog.records if "waiting" in r.getMessage()]
+    assert waits and "largest" in waits[0], caplog.text

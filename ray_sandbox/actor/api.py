@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import builtins
 import json
+import logging
+import os
+import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
@@ -30,6 +33,7 @@ from .host import (
 )
 from .template import SandboxTemplate, config_fields, make_template
 
+_log = logging.getLogger(__name__)
 _NODE_ID_LABEL = "ray.io/node-id"  # every Ray node carries it
 
 
@@ -137,16 +141,49 @@ def _reserve(
         bundle_label_selector=[selector] if selector else None,
     )
     try:
-        ready = pg.wait(timeout_seconds=timeout if timeout is not None else 10**9)
+        ready = _wait_placed(pg, bundle, timeout)
     except BaseException:
         remove_pg(pg.id.hex())
         raise
     if not ready:
         remove_pg(pg.id.hex())
         raise SandboxCreationError(
-            f"no node could reserve {bundle} within {timeout}s (the cluster is full)"
+            f"no node could reserve {bundle} within {timeout}s: {_shortfall(bundle)}"
         )
     return pg, placement_group_table(pg)["bundles_to_node_id"][0]
+
+
+def _wait_placed(pg: PlacementGroup, bundle: Mapping[str, float], timeout: float | None) -> bool:
+    """Wait for ``pg`` (forever when ``timeout`` is None), saying every
+    ``RAY_SANDBOX_WAIT_REPORT_S`` seconds (default 10) what the reservation waits for."""
+    every = float(os.environ.get("RAY_SANDBOX_WAIT_REPORT_S", 10))
+    start = time.monotonic()
+    while True:
+        left = None if timeout is None else timeout - (time.monotonic() - start)
+        if pg.wait(timeout_seconds=every if left is None else max(0.0, min(every, left))):
+            return True
+        if left is not None and left <= every:
+            return False
+        _log.warning("sandbox waiting %.0f s for a node to reserve %s: %s",
+                     time.monotonic() - start, dict(bundle), _shortfall(bundle))
+
+
+def _shortfall(bundle: Mapping[str, float]) -> str:
+    """What the cluster lacks for ``bundle``, in words: a node too small for it never
+    fits (only the autoscaler adding a bigger one helps); otherwise it waits for capacity
+    (the autoscaler sees it as pending demand)."""
+    totals = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    free = ray.available_resources()
+    too_big = {k: v for k, v in bundle.items()
+               if not any(t.get(k, 0.0) >= v for t in totals)}
+    if too_big:
+        largest = {k: max((t.get(k, 0.0) for t in totals), default=0.0) for k in too_big}
+        return (f"no live node is big enough for {too_big} (largest: {largest}); it is "
+                "placed only if the autoscaler adds a node that has it")
+    short = {k: f"{free.get(k, 0.0):g} free of {v:g} needed" for k, v in bundle.items()
+             if free.get(k, 0.0) < v}
+    return (f"the cluster is full ({short or 'no single node has all of it free'}); "
+            "pending demand the autoscaler can see")
 
 
 # --- snapshots, copies, suspension ------------------------------------------------------------
