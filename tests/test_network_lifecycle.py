@@ -117,6 +117,11 @@ def test_detach_is_idempotent(tmp_path: Path, upstream) -> None:
     network.detach(sid, tmp_path / sid)
     network.detach(sid, tmp_path / sid)
     network.detach(_sid(), tmp_path)  # never attached
+    left = network.leftovers()  # the first detach removed everything; the others add nothing
+    tag = _lifecycle.tag(sid)
+    assert tag not in left["netns"] and sid not in left["leases"]
+    assert not [p for p in left["processes"] if tag in p]
+    assert not (tmp_path / sid / "network.json").exists()
 
 
 def _crash(sid: str, config: SandboxConfig, state_dir: Path) -> None:
@@ -136,14 +141,16 @@ def test_gc_after_a_crash(tmp_path: Path, upstream) -> None:
     for sid, mode in ((live, "public"), (dead, "sandbox"), (lost, "public")):
         _crash(sid, make_config(network=mode, expose_ports=(free_port(),)), _dir(tmp_path, sid))
     (tmp_path / lost / "network.json").unlink()  # its state dir is gone too: sweep by name
-    removed = network.gc({live})
+    removed = network.gc({live}, tmp_path)
     assert f"sandbox {dead}" in removed
     assert any(_lifecycle.tag(lost) in r for r in removed)
-    left = network.leftovers()
-    assert left["netns"] == [_lifecycle.tag(live)]
-    assert all(_lifecycle.tag(live) in p for p in left["processes"]) and left["processes"]
-    assert left["leases"] == [live]
-    network.gc(set())
+    left = network.leftovers()  # node-wide: keep only this test's objects
+    tags = {_lifecycle.tag(s) for s in (live, dead, lost)}
+    assert [n for n in left["netns"] if n in tags] == [_lifecycle.tag(live)]
+    mine = [p for p in left["processes"] if any(t in p for t in tags)]
+    assert mine and all(_lifecycle.tag(live) in p for p in mine)
+    assert [s for s in left["leases"] if s in (live, dead, lost)] == [live]
+    network.gc(set(), tmp_path)
     assert not (tmp_path / live / "network.json").exists()
 
 
@@ -195,7 +202,7 @@ def test_gc_leaves_other_homes_alone(tmp_path: Path, upstream, net_home: Path,
     network.attach(sid, make_config(network="public"), _dir(tmp_path, sid))
     try:
         monkeypatch.setenv("RAY_SANDBOX_HOME", str(tmp_path / "another-home"))
-        assert network.gc(set()) == []
+        assert network.gc(set(), tmp_path / "another-home" / "sandboxes") == []
         assert _lifecycle.tag(sid) in network.leftovers()["netns"]
     finally:
         monkeypatch.setenv("RAY_SANDBOX_HOME", str(net_home))

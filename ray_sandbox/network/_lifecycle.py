@@ -95,8 +95,10 @@ def _host_resolv() -> str | None:
 
 
 def _reserve(st: NetworkState, node: NodeSettings, state_dir: Path) -> None:
-    """Lease ports (and a subnet for ``sandbox``) node-wide; the port check happens here,
-    before anything is created."""
+    """Lease ports (and a subnet for ``sandbox``) node-wide, owned by the sandboxes dir
+    ``state_dir`` is in; the port check happens here, before anything is created."""
+    state_dir = state_dir.resolve()
+    owner = alloc.owner(state_dir.parent)
     with alloc.locked() as a:
         for port in st.ports:
             key = alloc.port_key(st.upstream, port)
@@ -105,7 +107,7 @@ def _reserve(st: NetworkState, node: NodeSettings, state_dir: Path) -> None:
                                   sandbox_id=st.sandbox_id)
         for port in st.ports:
             a.ports[alloc.port_key(st.upstream, port)] = alloc.Lease(
-                sandbox_id=st.sandbox_id, upstream=st.upstream)
+                sandbox_id=st.sandbox_id, owner=owner, upstream=st.upstream)
         if st.mode == "sandbox":
             routes = [dst for dst, _ in ip.routes(st.upstream)]
             st.subnet = alloc.free_subnet(a, node.veth_pool, routes)
@@ -113,8 +115,9 @@ def _reserve(st: NetworkState, node: NodeSettings, state_dir: Path) -> None:
                 old = _netns.write_sysctl(st.upstream, "net.ipv4.ip_forward", "1")
                 if old != "1":
                     a.forwarding[st.upstream or ""] = old
-            a.subnets[st.subnet] = alloc.Lease(sandbox_id=st.sandbox_id, upstream=st.upstream)
-        a.state_dirs[st.sandbox_id] = str(state_dir)
+            a.subnets[st.subnet] = alloc.Lease(sandbox_id=st.sandbox_id, owner=owner,
+                                               upstream=st.upstream)
+        a.state_dirs[st.sandbox_id] = str(state_dir)  # resolved: its parent is the owner
 
 
 def _step(st: NetworkState, state_dir: Path, **changes: object) -> None:
@@ -216,7 +219,7 @@ def detach(sandbox_id: str, state_dir: Path) -> None:
     st = _state.load(state_dir)
     if st is not None:
         _teardown(st, state_dir)
-    else:
+    elif sandbox_id in alloc.read().sandbox_ids():
         _release({sandbox_id})  # a crash between leasing and the first save
     _state.remove(state_dir)
 
@@ -250,16 +253,20 @@ def _teardown(st: NetworkState, state_dir: Path) -> None:
 
 
 def _release(sandbox_ids: set[str]) -> None:
-    """Drop the leases of ``sandbox_ids``; give ``ip_forward`` back once no veth needs it."""
+    """Drop the leases of ``sandbox_ids``; give ``ip_forward`` back once no veth of any home
+    needs it: no subnet lease in the node table and no veth of ours left in that namespace
+    (e.g. one that a version keeping a table per home made)."""
     with alloc.locked() as a:
         for sid in sandbox_ids:
             a.release(sid)
         for key in list(a.forwarding):
             upstream = key or None
-            if a.subnet_users(upstream) == 0:
-                old = a.forwarding.pop(key)
-                if not upstream or ip.netns_exists(upstream):
-                    _netns.write_sysctl(upstream, "net.ipv4.ip_forward", old)
+            if a.subnet_users(upstream):
+                continue
+            if upstream and not ip.netns_exists(upstream):
+                del a.forwarding[key]  # the namespace is gone, and its setting with it
+            elif not any(tag_of(link) for link in ip.links(upstream)):
+                _netns.write_sysctl(upstream, "net.ipv4.ip_forward", a.forwarding.pop(key))
 
 
 def set_egress(sandbox_id: str, state_dir: Path, egress: EgressPolicy | dict) -> None:
@@ -294,13 +301,14 @@ def _cached(state_dir: Path, egress: EgressPolicy) -> dict[str, int]:
             if exp - now >= 1 and policy.domain_allowed(name, egress.allow_domains)}
 
 
-def gc(live_ids: set[str]) -> list[str]:
-    """Remove the network of every sandbox recorded in this node state (``RAY_SANDBOX_HOME``)
-    that is not in ``live_ids``: through its saved state, then by name for whatever that missed
-    (its state dir may be gone, too). Every object is recorded before it is created, so nothing
-    escapes; sandboxes of another ``RAY_SANDBOX_HOME`` are left alone. Returns what was removed."""
-    recorded = _recorded()
-    dead = recorded.sandbox_ids() - set(live_ids)
+def gc(live_ids: set[str], sandboxes_dir: Path) -> list[str]:
+    """Remove the network of every sandbox of ``sandboxes_dir`` (the calling runtime's) that
+    the node table records and that is not in ``live_ids``: through its saved state, then by
+    name for whatever that missed (its state dir may be gone, too). Every object is recorded
+    before it is created, so nothing escapes; sandboxes of other sandboxes dirs (homes) are
+    left alone, their names included. Returns what was removed."""
+    recorded = alloc.read()
+    dead = recorded.sandbox_ids(alloc.owner(sandboxes_dir)) - set(live_ids)
     removed: list[str] = []
     for sid in sorted(dead):
         if d := recorded.state_dirs.get(sid):
@@ -309,16 +317,11 @@ def gc(live_ids: set[str]) -> list[str]:
                 removed.append(f"sandbox {sid}")
             except SandboxError:
                 pass  # the sweep below gets what is left
-    live_tags = {tag(s) for s in live_ids if is_sandbox_id(s)}
-    removed += _sweep({tag(s) for s in dead} - live_tags)
+    keep = {tag(s) for s in (recorded.sandbox_ids() - dead) | set(live_ids) if is_sandbox_id(s)}
+    removed += _sweep({tag(s) for s in dead} - keep)
     if dead:
         _release(dead)
     return removed
-
-
-def _recorded() -> alloc.Alloc:
-    path = node_dir() / "alloc.json"
-    return alloc.Alloc.model_validate_json(path.read_text()) if path.exists() else alloc.Alloc()
 
 
 def _sweep(tags: set[str]) -> list[str]:
@@ -369,9 +372,5 @@ def leftovers() -> dict[str, list[str]]:
                               if tag_of(n)]
     with open("/proc/self/mountinfo") as f:
         out["mounts"] = [m for line in f if tag_of(Path(m := line.split()[4]).name)]
-    path = node_dir() / "alloc.json"
-    if path.exists():
-        a = alloc.Alloc.model_validate_json(path.read_text())
-        out["leases"] = sorted({*a.state_dirs, *(v.sandbox_id for v in a.subnets.values()),
-                                *(v.sandbox_id for v in a.ports.values())})
+    out["leases"] = sorted(alloc.read().sandbox_ids())
     return out

@@ -24,8 +24,8 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from queue import Full, Queue
 from subprocess import Popen
 
 from ..runtime import _proc
@@ -38,6 +38,14 @@ MODULE = "ray_sandbox.network.dns"
 A, AAAA = 1, 28
 NOERROR, SERVFAIL, NXDOMAIN, REFUSED = 0, 2, 3, 5
 _UPSTREAM_TIMEOUT = 2.0
+# The helper runs as root outside every sandbox cgroup, so what a sandbox can make it spend is
+# capped here: a fixed number of threads and queued queries, whatever the sandbox sends.
+UDP_WORKERS = 8  # queries resolved at once (each may wait _UPSTREAM_TIMEOUT per upstream)
+UDP_BACKLOG = 256  # queries waiting for a worker; more are dropped, as by a busy resolver
+TCP_MAX_CONNS = 32  # open TCP connections, one thread each; more are closed at once
+TCP_MAX_QUERIES = 64  # per connection, then it is closed
+TCP_DEADLINE = 20.0  # seconds a TCP connection may stay open, however slowly it sends
+MAX_THREADS = 3 + UDP_WORKERS + TCP_MAX_CONNS  # + main, the UDP reader, the TCP acceptor
 
 
 def resolv_conf(server: str) -> str:
@@ -199,45 +207,75 @@ class Helper:
 
     @staticmethod
     def _forward_tcp(server: str, family: int, query: bytes) -> bytes | None:
+        deadline = time.monotonic() + _UPSTREAM_TIMEOUT
         try:
             with socket.create_connection((server, 53), timeout=_UPSTREAM_TIMEOUT) as s:
                 s.sendall(struct.pack("!H", len(query)) + query)
-                return _read_framed(s)
+                return _read_framed(s, deadline)
         except OSError:
             return None
 
-    def serve_udp(self, pool: ThreadPoolExecutor) -> None:
+    def serve_udp(self, queue: Queue) -> None:
         while True:
             query, peer = self.udp.recvfrom(65535)
-            pool.submit(self._answer_udp, query, peer)
+            try:
+                queue.put_nowait((query, peer))
+            except Full:
+                pass  # a flood, or a slow upstream: the client retries or gives up
 
-    def _answer_udp(self, query: bytes, peer: tuple) -> None:
-        answer = self.resolve(query)
-        if answer is not None:
-            self.udp.sendto(answer, peer)
+    def work_udp(self, queue: Queue) -> None:
+        while True:
+            query, peer = queue.get()
+            try:
+                if (answer := self.resolve(query)) is not None:
+                    self.udp.sendto(answer, peer)
+            except OSError as exc:  # one failed query must not cost a worker
+                print(f"cannot answer {peer}: {exc}", file=sys.stderr, flush=True)
 
     def serve_tcp(self) -> None:
+        slots = threading.BoundedSemaphore(TCP_MAX_CONNS)
         while True:
-            conn, _ = self.tcp.accept()
-            threading.Thread(target=self._answer_tcp, args=(conn,), daemon=True).start()
-
-    def _answer_tcp(self, conn: socket.socket) -> None:
-        with conn:
-            conn.settimeout(10)
             try:
-                while (query := _read_framed(conn)) is not None:
-                    answer = self.resolve(query)
-                    if answer is None:
+                conn, _ = self.tcp.accept()
+            except ConnectionAbortedError:  # the client reset it first: not a reason to stop
+                continue
+            if not slots.acquire(blocking=False):
+                conn.close()
+                continue
+            threading.Thread(target=self._answer_tcp, args=(conn, slots), daemon=True).start()
+
+    def _answer_tcp(self, conn: socket.socket, slots: threading.BoundedSemaphore) -> None:
+        deadline = time.monotonic() + TCP_DEADLINE
+        try:
+            with conn:
+                for _ in range(TCP_MAX_QUERIES):
+                    query = _read_framed(conn, deadline)
+                    if query is None or (answer := self.resolve(query)) is None:
                         return
+                    conn.settimeout(_left(deadline))
                     conn.sendall(struct.pack("!H", len(answer)) + answer)
-            except OSError:
-                return
+        except OSError:
+            return
+        finally:
+            slots.release()
 
 
-def _read_framed(s: socket.socket) -> bytes | None:
+def _left(deadline: float) -> float:
+    """Seconds until ``deadline`` as a socket timeout; raises TimeoutError once it passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("deadline passed")
+    return left
+
+
+def _read_framed(s: socket.socket, deadline: float) -> bytes | None:
+    """One length-prefixed DNS message, read by ``deadline`` (a trickling peer gets no more
+    time than a silent one); None at end of stream."""
+
     def exactly(n: int) -> bytes | None:
         buf = b""
         while len(buf) < n:
+            s.settimeout(_left(deadline))
             chunk = s.recv(n - len(buf))
             if not chunk:
                 return None
@@ -271,8 +309,10 @@ def main(argv: Sequence[str]) -> None:
     signal.signal(signal.SIGHUP, lambda *_: hup.set())
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP, signal.SIGTERM})
-    pool = ThreadPoolExecutor(max_workers=16)
-    threading.Thread(target=helper.serve_udp, args=(pool,), daemon=True).start()
+    queue: Queue = Queue(maxsize=UDP_BACKLOG)
+    for _ in range(UDP_WORKERS):
+        threading.Thread(target=helper.work_udp, args=(queue,), daemon=True).start()
+    threading.Thread(target=helper.serve_udp, args=(queue,), daemon=True).start()
     threading.Thread(target=helper.serve_tcp, daemon=True).start()
     while True:
         hup.wait()

@@ -14,7 +14,6 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from ..runtime import paths
 from ..runtime.errors import ConfigError
 from .netns import NETNS_DIR
 
@@ -70,9 +69,15 @@ def settings() -> NodeSettings:
         raise ConfigError(f"invalid RAY_SANDBOX_NET_* setting: {exc}") from None
 
 
+NODE_DIR = Path("/run/ray_sandbox/network")
+
+
 def node_dir() -> Path:
-    """Node-wide network state (allocations, API sockets)."""
-    return paths.home() / "network"
+    """Node-wide network state (allocations, API sockets). One place per node, whatever
+    ``RAY_SANDBOX_HOME`` a runtime uses: subnets, ports and ``ip_forward`` belong to the node,
+    and a table per home let one home's gc and deletes undo another's. It lives in /run beside
+    /run/netns because both describe kernel objects that a reboot removes."""
+    return NODE_DIR
 
 
 def is_sandbox_id(value: str) -> bool:

@@ -6,7 +6,9 @@
                  to share one image cache between several homes on a node
     sandboxes/   one directory per live sandbox (see ray_sandbox.runtime.bundle)
     runsc/       runsc's --root state directory
-    network/     node-wide network state (subnet allocations)
+
+Network state belongs to the node, not to a home: ``/run/ray_sandbox/network``
+(ray_sandbox.network.settings).
 """
 
 from __future__ import annotations

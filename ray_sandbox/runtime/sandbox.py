@@ -1401,7 +1401,7 @@ class SandboxRuntime:
                 self._destroy(c.id, reason="Orphaned")
                 removed.append(c.id)
         self._kill_stray_runsc(live)
-        network.gc(live)
+        network.gc(live, self.sandboxes_dir)
         removed += self._gc_snapshots()
         # The store may be shared by several homes: only this home's pins are ours to judge.
         mine = {self._pin_owner(sid) for sid in live}
