@@ -68,3 +68,26 @@ def test_a_second_home_on_a_shared_store_keeps_the_first_homes_pins(temp_store,
     finally:
         first.close()
     assert temp_store.pins(image.digest) == set()
+
+
+@pytest.mark.parametrize("call", [
+    lambda rt, sid: rt.exec(sid, "true", timeout=1e10),
+    lambda rt, sid: rt.exec(sid, "true", timeout=1e17),
+    lambda rt, sid: rt.exec(sid, "true", timeout="5"),
+    lambda rt, sid: rt.exec(sid, "true", max_output_bytes=2**63),
+    lambda rt, sid: rt.exec(sid, None),
+    lambda rt, sid: rt.exec(sid, "true", env={"A": 1}),
+    lambda rt, sid: rt.exec(sid, "cat", stdin=5),
+    lambda rt, sid: rt.spawn(sid, ["sh"], pty="big"),
+    lambda rt, sid: rt.write_file(sid, "/tmp/x", 5),
+], ids=["timeout-1e10", "timeout-1e17", "timeout-str", "max-output-2**63", "command-None",
+        "env-int", "stdin-int", "pty-str", "write-int"])
+def test_bad_call_arguments_are_config_errors(runtime, call):
+    """#16: each of these raised OverflowError, struct.error or TypeError from deep inside."""
+    sid = runtime.create(image="ray-sandbox/busybox", memory="64Mi")
+    try:
+        with pytest.raises(ConfigError):
+            call(runtime, sid)
+        assert runtime.exec(sid, ["echo", "still"]).stdout == "still\n"
+    finally:
+        runtime.delete(sid)

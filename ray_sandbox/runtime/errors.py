@@ -18,6 +18,8 @@
     │   └── SnapshotNotFoundError     unknown, deleted or orphaned snapshot id
     ├── SandboxStateError             operation not allowed in the sandbox's current state
     ├── SandboxDiedError              the sandbox died during the call (OOM kill, crash)
+    │   └── AgentTimeoutError         agent missed a deadline (hung, stopped); also TimeoutError
+    ├── AgentProtocolError            the agent broke the wire protocol (broken or replaced)
     ├── SnapshotCorruptError          a snapshot's files are incomplete or damaged
     ├── ExecError                     a command could not be started (bad cwd, user, …)
     ├── SandboxFileError              file operation failed inside the sandbox
@@ -57,6 +59,8 @@ __all__ = [
     "SnapshotNotFoundError",
     "SnapshotCorruptError",
     "SandboxDiedError",
+    "AgentTimeoutError",
+    "AgentProtocolError",
     "ExecError",
     "SandboxFileError",
     "SandboxFileNotFoundError",
@@ -184,6 +188,19 @@ class SandboxStateError(SandboxError):
 
 class SandboxDiedError(SandboxError):
     """The sandbox stopped while the call was running (OOM kill, crash, delete)."""
+
+
+class AgentTimeoutError(SandboxDiedError, TimeoutError):
+    """The sandbox's agent did not answer, or take the data sent, before the call's deadline:
+    it hangs or its handler was stopped (SIGSTOP from inside). The connection was dropped."""
+
+    __str__ = SandboxError.__str__
+
+
+class AgentProtocolError(SandboxError):
+    """The agent sent something the protocol does not allow (too large, too much, malformed,
+    out of order): a broken agent, or a server that code in the sandbox put in its place. The
+    connection was dropped; the sandbox itself may still be running."""
 
 
 class ExecError(SandboxError):

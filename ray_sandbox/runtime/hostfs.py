@@ -17,10 +17,8 @@ from pathlib import Path
 
 from .errors import FileTooLargeError
 
-# Default bounds on what one call takes from a sandbox: read_file holds the bytes in memory,
-# download_file writes them to the caller's disk. A sparse 8 GiB file costs the sandbox
-# nothing, so neither may be unbounded by default.
-READ_MAX = 64 << 20
+# download_file's default bound (read_file's is agent.client.READ_MAX): the bytes land on the
+# caller's disk, and a sparse 8 GiB file costs the sandbox nothing.
 DOWNLOAD_MAX = 1 << 30
 
 # Linux's own bound on links followed in one lookup (MAXSYMLINKS): past it the kernel gives

@@ -31,7 +31,7 @@ from typing import Any, BinaryIO, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from . import _mount, _subreaper, archive, bundle, disk, hostfs, paths
-from .agent.client import AgentClient, AgentProcess, connect_agent_socket
+from .agent.client import READ_MAX, AgentClient, AgentProcess, connect_agent_socket
 from .agent.pyrepl import PythonContext, PythonResult
 from .bundle import SandboxDir
 from .config import EgressPolicy, SandboxConfig, make_config
@@ -260,7 +260,12 @@ class SandboxRuntime:
         *,
         images: ImageStore | None = None,
         reap: bool = True,
+        io_timeout: float | None = None,
     ) -> None:
+        # how long one frame to or from a sandbox's agent may take (a frozen agent must not
+        # pin the caller); RAY_SANDBOX_AGENT_IO_TIMEOUT reaches the runtime of a Ray host too
+        self._io_timeout = float(io_timeout or os.environ.get("RAY_SANDBOX_AGENT_IO_TIMEOUT",
+                                                              60.0))
         self.home = Path(home) if home is not None else paths.home()
         self.sandboxes_dir = self.home / "sandboxes"
         self._pin_prefix = hashlib.sha256(str(self.home.resolve()).encode()).hexdigest()[:12] + ":"
@@ -992,7 +997,7 @@ class SandboxRuntime:
             return client
         self._record(sandbox_id)
         client = AgentClient(self.sandboxes_dir / sandbox_id / "run" / "agent.sock",
-                             sandbox_id=sandbox_id)
+                             sandbox_id=sandbox_id, io_timeout=self._io_timeout)
         with self._lock:
             return self._clients.setdefault(sandbox_id, client)
 
@@ -1016,15 +1021,24 @@ class SandboxRuntime:
                     sandbox_id=rec.sandbox_id,
                 )
             argv = [sh, "-c", command]
-        else:
+        elif isinstance(command, list | tuple):
             argv = [str(a) for a in command]
             if not argv:
                 raise ExecError("empty command", sandbox_id=rec.sandbox_id)
+        else:
+            raise ConfigError(f"command must be a string or a list of arguments, not "
+                              f"{type(command).__name__}", sandbox_id=rec.sandbox_id)
         for a in argv:
             if "\0" in a:
                 raise ExecError("command contains a NUL byte", sandbox_id=rec.sandbox_id)
+        if env is not None and not isinstance(env, Mapping):
+            raise ConfigError("env must be a mapping of names to strings",
+                              sandbox_id=rec.sandbox_id)
         merged = {**cfg.get("env", {}), **(env or {})}
         for k, v in merged.items():
+            if not isinstance(k, str) or not isinstance(v, str):
+                raise ConfigError(f"environment variable {k!r}: names and values must be "
+                                  "strings", sandbox_id=rec.sandbox_id)
             if not k or "=" in k or "\0" in k or "\0" in v:
                 raise ExecError(f"invalid environment variable {k!r}", sandbox_id=rec.sandbox_id)
         if timeout is None:
@@ -1177,10 +1191,10 @@ class SandboxRuntime:
 
     @_maps_death
     def read_file(self, sandbox_id: str, path: str, *,
-                  max_bytes: int | None = hostfs.READ_MAX) -> bytes:
+                  max_bytes: int | None = READ_MAX) -> bytes:
         """The file's bytes; over ``max_bytes`` (default 64 MiB, None for no bound) raises
         FileTooLargeError, whatever the sandbox claims its size is."""
-        return b"".join(self.iter_read(sandbox_id, path, max_bytes=max_bytes))
+        return self._files(sandbox_id).read_file(path, max_bytes=max_bytes)
 
     def write_file(
         self, sandbox_id: str, path: str, data: str | bytes | Iterable[bytes] | BinaryIO, *,
@@ -1205,15 +1219,13 @@ class SandboxRuntime:
         None for no bound) raises FileTooLargeError and leaves nothing."""
         client = self._files(sandbox_id)
         mode = client.stat(remote_path, follow_symlinks=True).mode
-        chunks = hostfs.bounded(client.iter_read(remote_path), max_bytes, remote_path,
-                                sandbox_id)
-        hostfs.write_atomic(local_path, chunks, mode)
+        hostfs.write_atomic(local_path, client.iter_read(remote_path, max_bytes=max_bytes),
+                            mode)
 
     def iter_read(self, sandbox_id: str, path: str, *,
                   max_bytes: int | None = None) -> Iterator[bytes]:
         """The file's bytes in chunks (bounded memory); past ``max_bytes`` FileTooLargeError."""
-        return hostfs.bounded(self._files(sandbox_id).iter_read(path), max_bytes, path,
-                              sandbox_id)
+        return self._files(sandbox_id).iter_read(path, max_bytes=max_bytes)
 
     @_maps_death
     def stat(self, sandbox_id: str, path: str, *, follow_symlinks: bool = False) -> FileInfo:

@@ -3,28 +3,29 @@
 Each call checks a connection out of a small pool (one connection = one handler process in
 the sandbox), runs one request on it and puts it back. A long-lived :class:`AgentProcess`
 owns its connection until it is closed. Every failure is a :class:`SandboxError` subclass.
+
+The agent is untrusted (root in the sandbox can replace it): the client bounds every reply
+itself (output per stream, bytes read, entries listed, frame sizes, see ``conn.py``) and puts
+a deadline on every send and receive, whatever the agent claims or does.
 """
 
 from __future__ import annotations
 
 import errno as errno_
-import math
 import os
 import posixpath
-import select
-import socket
-import stat
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO, TypeVar
+from typing import TypeVar
 
 from ..errors import (
     ConfigError,
     ExecError,
+    FileTooLargeError,
     SandboxDiedError,
     SandboxError,
     SandboxFileError,
@@ -34,29 +35,38 @@ from ..errors import (
     SandboxNotADirectoryError,
     SandboxPermissionError,
     SandboxStateError,
-    UnsafePathError,
 )
 from ..results import ExecResult, FileInfo, FileType, OutputChunk
 from . import protocol as p
+from .args import (
+    UPLOAD_CHUNK,
+    PathArg,
+    StrOrBytes,
+    UploadData,
+    bytes_arg,
+    check_bytes,
+    check_int,
+    check_seconds,
+    upload_chunks,
+)
+from .args import exec_fields as _exec_fields
+from .args import sandbox_path as _sandbox_path
+from .conn import Payload, _Conn, connect_agent_socket
+from .process import AgentProcess, _result
 
 DEFAULT_MAX_OUTPUT = 16 * 1024 * 1024  # per stream, when exec()/spawn() get None
+READ_MAX = 64 * 1024 * 1024  # read_file's default max_bytes: it holds the bytes in memory
+LIST_MAX_ENTRIES = 1 << 17  # list_dir's default max_entries: it holds them all
 HUNG_MARGIN = 10.0  # seconds past a command's timeout before the agent counts as hung
-CONNECT_TIMEOUT = 5.0
 PING_TIMEOUT = 5.0
-UPLOAD_CHUNK = p.FRAME_MAX
 READ_CHUNK = 256 * 1024
 _STDIN_INLINE = 64 * 1024  # stdin up to this rides with the request; more goes from a thread
-# A file/control reply may take this long per frame. Code in the sandbox can SIGSTOP the
-# agent's handlers (PID 1 is not protected from signals in gVisor): never wait forever.
-IDLE_TIMEOUT = 60.0
-
-
-def _idle_deadline() -> float:
-    return time.monotonic() + IDLE_TIMEOUT
+# How long a file/control call waits for each frame to go out or come in (io_timeout). Code
+# in the sandbox can SIGSTOP the agent's handlers (PID 1 is not protected from signals in
+# gVisor): never wait forever.
+IO_TIMEOUT = 60.0
 
 T = TypeVar("T")
-PathArg = str | bytes | os.PathLike
-StrOrBytes = str | bytes
 
 _FILE_ERRORS: dict[int, type[SandboxFileError]] = {
     errno_.ENOENT: SandboxFileNotFoundError,
@@ -66,211 +76,6 @@ _FILE_ERRORS: dict[int, type[SandboxFileError]] = {
     errno_.EACCES: SandboxPermissionError,
     errno_.EPERM: SandboxPermissionError,
 }
-
-
-class _Conn:
-    """One connection to an agent handler: framed, buffered reads with deadlines."""
-
-    def __init__(self, sock: socket.socket, sandbox_id: str | None) -> None:
-        self.sock = sock
-        self.sandbox_id = sandbox_id
-        self._buf = bytearray()
-        self._pos = 0
-        self._scratch = memoryview(bytearray(65536))
-        self.closed = False
-
-    def _died(self, why: str) -> SandboxDiedError:
-        self.close()
-        return SandboxDiedError(f"agent connection lost: {why}", sandbox_id=self.sandbox_id)
-
-    def _set_deadline(self, deadline: float | None) -> None:
-        # Past the deadline still take what is already buffered (a slow consumer of a
-        # stream is not a hung agent): a zero timeout makes the receive non-blocking.
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        self.sock.settimeout(left)
-
-    def send(self, data: bytes | bytearray | memoryview) -> None:
-        """Sends everything; blocks while the agent applies backpressure."""
-        try:
-            self.sock.settimeout(None)
-            self.sock.sendall(data)
-        except OSError as exc:
-            raise self._died(str(exc)) from None
-
-    def send_frame(self, ftype: int, payload: bytes | memoryview) -> None:
-        """Header and payload in one syscall when possible, without joining them."""
-        hdr = p.HEADER.pack(len(payload), ftype)
-        if len(payload) < 65536:
-            self.send(hdr + bytes(payload))
-            return
-        try:
-            self.sock.settimeout(None)
-            sent = self.sock.sendmsg([hdr, payload])
-            if sent < len(hdr):
-                self.sock.sendall(hdr[sent:])
-                sent = len(hdr)
-            self.sock.sendall(memoryview(payload)[sent - len(hdr) :])
-        except OSError as exc:
-            raise self._died(str(exc)) from None
-
-    def _recv_into(self, view: memoryview, deadline: float | None) -> int:
-        try:
-            self._set_deadline(deadline)
-            n = self.sock.recv_into(view)
-        except (TimeoutError, BlockingIOError):
-            raise self._died("the agent did not answer in time") from None
-        except OSError as exc:
-            raise self._died(str(exc)) from None
-        if n == 0:
-            raise self._died("connection closed by the sandbox")
-        return n
-
-    def _read_exact(self, n: int, deadline: float | None) -> bytes | bytearray:
-        avail = len(self._buf) - self._pos
-        if avail < n and n - avail > 65536:  # large payload: receive in place
-            out = bytearray(n)
-            out[:avail] = self._buf[self._pos :]
-            self._buf.clear()
-            self._pos = 0
-            view = memoryview(out)[avail:]
-            while view:
-                view = view[self._recv_into(view, deadline) :]
-            return out
-        while avail < n:
-            if self._pos:
-                del self._buf[: self._pos]
-                self._pos = 0
-            got = self._recv_into(self._scratch, deadline)
-            self._buf += self._scratch[:got]
-            avail = len(self._buf)
-        out = bytes(self._buf[self._pos : self._pos + n])
-        self._pos += n
-        return out
-
-    def read_frame(self, deadline: float | None) -> tuple[int, bytes | bytearray]:
-        length, ftype = p.HEADER.unpack(self._read_exact(p.HEADER.size, deadline))
-        if length > p.FRAME_MAX:
-            self.close()
-            raise SandboxError(f"agent sent a {length}-byte frame", sandbox_id=self.sandbox_id)
-        return ftype, self._read_exact(length, deadline)
-
-    def decode(self, parse: Callable[[bytes], T], payload: bytes) -> T:
-        """Parses a payload; a malformed one means the peer is broken: drop it."""
-        try:
-            return parse(payload)
-        except p.ProtocolError as exc:
-            self.close()
-            raise SandboxError(
-                f"agent sent a malformed frame: {exc}", sandbox_id=self.sandbox_id
-            ) from None
-
-    def has_input(self) -> bool:
-        """True if the peer sent something (even EOF) not yet read."""
-        if self._pos < len(self._buf):
-            return True
-        poller = select.poll()
-        poller.register(self.sock, select.POLLIN)
-        return bool(poller.poll(0))
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.sock.close()
-
-    def abort(self) -> None:
-        """Breaks the connection from any thread (the agent then kills the command tree)."""
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-
-
-def _fsencode(value: StrOrBytes | os.PathLike, what: str, sandbox_id: str | None,
-              error: type[SandboxError] = ConfigError) -> bytes:
-    """Bytes for the wire; a str the file system encoding cannot carry (a lone surrogate
-    outside surrogateescape's range) is a typed error, not a UnicodeEncodeError."""
-    try:
-        return os.fsencode(value)
-    except UnicodeEncodeError:
-        raise error(f"{what} cannot be encoded: {value!r}", sandbox_id=sandbox_id) from None
-
-
-def _bytes_arg(value: StrOrBytes | os.PathLike, what: str, sandbox_id: str | None) -> bytes:
-    raw = _fsencode(value, what, sandbox_id)
-    if b"\0" in raw:
-        raise ConfigError(f"{what} contains a NUL byte: {value!r}", sandbox_id=sandbox_id)
-    return raw
-
-
-def _sandbox_path(path: PathArg, sandbox_id: str | None = None) -> bytes:
-    """An absolute, normalized path inside the sandbox as bytes (any byte but NUL)."""
-    raw = _fsencode(path, "path", sandbox_id, UnsafePathError)
-    if b"\0" in raw:
-        raise UnsafePathError(f"path contains a NUL byte: {path!r}", sandbox_id=sandbox_id)
-    if not raw.startswith(b"/"):
-        raise UnsafePathError(
-            f"path must be absolute inside the sandbox: {path!r}", sandbox_id=sandbox_id
-        )
-    norm = posixpath.normpath(raw)
-    return b"/" + norm.lstrip(b"/")
-
-
-def _exec_fields(
-    argv: list[StrOrBytes],
-    env: list[StrOrBytes] | None,
-    cwd: PathArg | None,
-    user: str | None,
-    timeout: float | None,
-    max_output_bytes: int | None,
-    pty: tuple[int, int] | None,
-    sandbox_id: str | None = None,
-) -> bytes:
-    def bad(message: str) -> ConfigError:
-        return ConfigError(message, sandbox_id=sandbox_id)
-
-    if isinstance(argv, str | bytes) or not argv:
-        raise bad(f"argv must be a non-empty list, got {argv!r}")
-    fields: list[p.Field] = [(p.Tag.ARG, _bytes_arg(a, "argument", sandbox_id)) for a in argv]
-    if env is not None:
-        fields.append((p.Tag.ENV_SET, 1))
-        for item in env:
-            raw = _bytes_arg(item, "environment entry", sandbox_id)
-            if b"=" not in raw[1:]:
-                raise bad(f"environment entry must be KEY=VALUE: {item!r}")
-            fields.append((p.Tag.ENV, raw))
-    if cwd is not None:
-        fields.append((p.Tag.CWD, _bytes_arg(cwd, "cwd", sandbox_id)))
-    if user:
-        fields.append((p.Tag.USER, _bytes_arg(user, "user", sandbox_id)))
-    if timeout is not None and timeout != math.inf:  # inf: no timeout
-        if not (timeout > 0 and math.isfinite(timeout)):
-            raise bad(f"timeout must be a positive number of seconds, got {timeout!r}")
-        fields.append((p.Tag.TIMEOUT_MS, math.ceil(timeout * 1000)))
-    if max_output_bytes is not None:
-        if max_output_bytes < 0:
-            raise bad(f"max_output_bytes must be >= 0, got {max_output_bytes}")
-        fields.append((p.Tag.MAX_OUTPUT, max_output_bytes))
-    if pty is not None:
-        rows, cols = pty
-        if not (0 < rows < 65536 and 0 < cols < 65536):
-            raise bad(f"pty size must be (rows, cols) in 1..65535, got {pty!r}")
-        fields += [(p.Tag.PTY_ROWS, rows), (p.Tag.PTY_COLS, cols)]
-    payload = p.encode_fields(fields)
-    if len(payload) > p.FRAME_MAX:
-        raise bad(f"argv and env take {len(payload)} bytes, more than {p.FRAME_MAX}")
-    return p.frame(p.Op.EXEC, payload)
-
-
-def _result(ex: p.Exit, out: bytes, err: bytes) -> ExecResult:
-    return ExecResult(
-        exit_code=ex.exit_code,
-        stdout_bytes=out,
-        stderr_bytes=err,
-        duration_seconds=ex.duration_us / 1e6,
-        timed_out=ex.timed_out,
-        truncated=ex.truncated,
-        signal=ex.signal or None,
-    )
 
 
 def _to_info(entry: p.Entry, path: bytes) -> FileInfo:
@@ -287,37 +92,22 @@ def _to_info(entry: p.Entry, path: bytes) -> FileInfo:
     )
 
 
-def connect_agent_socket(path: str | os.PathLike[str]) -> socket.socket:
-    """Connect to an agent's socket without following a symlink: the socket's directory is
-    writable from inside the sandbox, and a symlink planted there must not point this (root)
-    process at some other host socket. Connecting through ``/proc/self/fd`` also lifts the
-    108-byte ``sun_path`` limit. Raises OSError."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    fd = -1
-    try:
-        fd = os.open(path, os.O_PATH | os.O_NOFOLLOW)
-        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
-            raise OSError(errno_.ENOTSOCK, "not a socket (replaced from inside?)")
-        sock.settimeout(CONNECT_TIMEOUT)
-        sock.connect(f"/proc/self/fd/{fd}")
-    except OSError:
-        sock.close()
-        raise
-    finally:
-        if fd >= 0:
-            os.close(fd)
-    return sock
-
-
 class AgentClient:
-    """Talks to one sandbox's agent over its unix socket. Thread-safe."""
+    """Talks to one sandbox's agent over its unix socket. Thread-safe.
+
+    ``io_timeout``: how long a file or control call waits for each frame to be taken or to
+    arrive. ``hung_margin``: how long past its timeout an exec waits for the answer. Either
+    exceeded is an :class:`AgentTimeoutError` and the connection is dropped."""
 
     def __init__(
-        self, socket_path: str | Path, *, sandbox_id: str | None = None, pool_size: int = 8
-    ) -> None:
+        self, socket_path: str | Path, *, sandbox_id: str | None = None, pool_size: int = 8,
+        io_timeout: float = IO_TIMEOUT, hung_margin: float = HUNG_MARGIN,
+    ) -> None:  # fmt: skip
         self.socket_path = Path(socket_path)
         self.sandbox_id = sandbox_id
         self.pool_size = pool_size
+        self.io_timeout = self._seconds(io_timeout, "io_timeout")
+        self.hung_margin = self._seconds(hung_margin, "hung_margin")
         self._idle: list[_Conn] = []
         self._lock = threading.Lock()
         self._unheld = threading.Condition(self._lock)
@@ -433,19 +223,26 @@ class AgentClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _unexpected(self, conn: _Conn, ftype: int) -> SandboxError:
-        conn.close()
-        return SandboxError(
-            f"agent sent unexpected frame 0x{ftype:02x}", sandbox_id=self.sandbox_id
-        )
+    def _seconds(self, value: object, what: str) -> float:
+        seconds = check_seconds(value, what, self.sandbox_id)
+        if seconds is None:
+            raise ConfigError(f"{what} must be a finite number of seconds, got {value!r}",
+                              sandbox_id=self.sandbox_id)  # fmt: skip
+        return seconds
 
-    def _file_error(self, conn: _Conn, payload: bytes) -> SandboxFileError:
+    def _io_deadline(self) -> float:
+        return time.monotonic() + self.io_timeout
+
+    def _unexpected(self, conn: _Conn, ftype: int) -> SandboxError:
+        return conn.violation(f"unexpected frame 0x{ftype:02x}")
+
+    def _file_error(self, conn: _Conn, payload: Payload) -> SandboxFileError:
         code, message = conn.decode(p.parse_error, payload)
         exc = _FILE_ERRORS.get(code, SandboxFileError)(message, sandbox_id=self.sandbox_id)
         exc.errno = code
         return exc
 
-    def _exec_error(self, conn: _Conn, payload: bytes) -> ExecError:
+    def _exec_error(self, conn: _Conn, payload: Payload) -> ExecError:
         code, message = conn.decode(p.parse_error, payload)
         return ExecError(f"{message} (errno {code})", sandbox_id=self.sandbox_id)
 
@@ -453,9 +250,10 @@ class AgentClient:
 
     def ping(self, timeout: float = PING_TIMEOUT) -> str:
         """The agent's version string (compare with :func:`expected_version`)."""
+        deadline = time.monotonic() + self._seconds(timeout, "timeout")
         conn = self._checkout()
-        conn.send(p.request(p.Op.PING))
-        ftype, payload = conn.read_frame(time.monotonic() + timeout)
+        conn.send(p.request(p.Op.PING), deadline=deadline)
+        ftype, payload = conn.read_reply(deadline)
         if ftype != p.Reply.OK:
             raise self._unexpected(conn, ftype)
         version = conn.decode(p.parse_version, payload)
@@ -513,39 +311,63 @@ class AgentClient:
     ) -> Iterator[OutputChunk | ExecResult]:
         """Yields output chunks as they arrive, then the :class:`ExecResult` (whose byte
         fields are empty: the output was streamed). ``max_output_bytes=None`` is unlimited.
-        Closing the iterator early kills the command."""
+        Closing the iterator early kills the command.
+
+        The client enforces ``max_output_bytes`` itself: should the agent send more on a
+        stream (only a broken or replaced agent does), the client keeps the first
+        ``max_output_bytes``, drops the connection (the agent kills the command tree) and
+        ends with ``truncated=True, exit_code=137, signal=9``."""
         req = _exec_fields(argv, env, cwd, user, timeout, max_output_bytes, None, self.sandbox_id)
-        if timeout == math.inf:
-            timeout = None
-        deadline_after = timeout + HUNG_MARGIN if timeout is not None else None
-        return self._exec_frames(req, stdin or b"", deadline_after)
+        data = b"" if stdin is None else check_bytes(stdin, "stdin", self.sandbox_id)
+        seconds = check_seconds(timeout, "timeout", self.sandbox_id)
+        wait = seconds + self.hung_margin if seconds is not None else None
+        return self._exec_frames(req, data, wait, max_output_bytes)
 
     def _exec_frames(
-        self, req: bytes, stdin: bytes, deadline_after: float | None
-    ) -> Iterator[OutputChunk | ExecResult]:
+        self, req: bytes, stdin: bytes | bytearray | memoryview, wait: float | None,
+        limit: int | None,
+    ) -> Iterator[OutputChunk | ExecResult]:  # fmt: skip
         conn = self._checkout()
         released = False
         writer = None
         try:
-            deadline = time.monotonic() + deadline_after if deadline_after is not None else None
+            start = time.monotonic()
+            deadline = start + wait if wait is not None else None
             if len(stdin) <= _STDIN_INLINE:
-                conn.send(req + b"".join(p.data_frames(stdin)) + p.CLOSE_FRAME)
+                conn.send(req, *p.data_frames(stdin), p.CLOSE_FRAME, deadline=deadline)
             else:  # the command may answer before reading all of it: send from a thread
-                conn.send(req)
-                writer = threading.Thread(target=_send_stdin, args=(conn, stdin), daemon=True)
+                conn.send(req, deadline=deadline)
+                writer = threading.Thread(target=_send_stdin, args=(conn, stdin, deadline),
+                                          daemon=True, name="agent-stdin")  # fmt: skip
                 writer.start()
+            started = False
+            sizes = {p.Reply.STDOUT: 0, p.Reply.STDERR: 0}
             while True:
-                ftype, payload = conn.read_frame(deadline)
-                if ftype == p.Reply.STDOUT:
-                    yield OutputChunk(stream="stdout", data=bytes(payload))
-                elif ftype == p.Reply.STDERR:
-                    yield OutputChunk(stream="stderr", data=bytes(payload))
+                ftype, payload = conn.read_reply(deadline)
+                if ftype in sizes:
+                    if not started:
+                        raise conn.violation("output before STARTED")
+                    stream = "stdout" if ftype == p.Reply.STDOUT else "stderr"
+                    if limit is not None and sizes[ftype] + len(payload) > limit:
+                        released = True
+                        conn.close()  # stop reading: the agent kills the command tree
+                        if keep := limit - sizes[ftype]:
+                            yield OutputChunk(stream=stream, data=bytes(payload[:keep]))
+                        yield ExecResult(exit_code=137, signal=9, truncated=True,
+                                         duration_seconds=time.monotonic() - start)  # fmt: skip
+                        return
+                    sizes[ftype] += len(payload)
+                    yield OutputChunk(stream=stream, data=bytes(payload))
                 elif ftype in (p.Reply.EXIT, p.Reply.ERROR):
-                    if writer:
-                        writer.join()
                     ex = conn.decode(p.parse_exit, payload) if ftype == p.Reply.EXIT else None
                     # Release before yielding the result: the consumer may stop right there.
                     released = True
+                    if writer and writer.is_alive():
+                        # The agent skips the rest of stdin up to CLOSE; one that does not
+                        # must not keep this call waiting: cut the connection instead.
+                        conn.close()
+                    if writer:
+                        writer.join()
                     if ex is not None and ex.retire:
                         conn.close()
                     else:
@@ -554,7 +376,9 @@ class AgentClient:
                         raise self._exec_error(conn, payload)
                     yield _result(ex, b"", b"")
                     return
-                elif ftype != p.Reply.STARTED:
+                elif ftype == p.Reply.STARTED and not started:
+                    started = True
+                else:
                     raise self._unexpected(conn, ftype)
         finally:
             if not released:
@@ -572,10 +396,11 @@ class AgentClient:
     ) -> AgentProcess:
         """Starts a long-lived process on a dedicated connection (see :class:`AgentProcess`)."""
         req = _exec_fields(argv, env, cwd, user, None, None, pty, self.sandbox_id)
+        check_int(max_buffer_bytes, "max_buffer_bytes", self.sandbox_id)
         conn = self._connect_busy()  # a quiesce waits until it is an AgentProcess
         try:
-            conn.send(req)
-            ftype, payload = conn.read_frame(_idle_deadline())
+            conn.send(req, deadline=self._io_deadline())
+            ftype, payload = conn.read_reply(self._io_deadline())
             if ftype == p.Reply.ERROR:
                 conn.close()
                 raise self._exec_error(conn, payload)
@@ -595,8 +420,8 @@ class AgentClient:
 
     def _simple(self, op: p.Op, fields: list[p.Field]) -> None:
         conn = self._checkout()
-        conn.send(p.request(op, fields))
-        ftype, payload = conn.read_frame(_idle_deadline())
+        conn.send(p.request(op, fields), deadline=self._io_deadline())
+        ftype, payload = conn.read_reply(self._io_deadline())
         if ftype == p.Reply.ERROR:
             exc = self._file_error(conn, payload)
             self._checkin(conn)
@@ -605,21 +430,18 @@ class AgentClient:
             raise self._unexpected(conn, ftype)
         self._checkin(conn)
 
-    def _entries(self, op: p.Op, path: bytes) -> Iterator[p.Entry]:
-        return self._stream(p.request(op, [(p.Tag.PATH, path)]), p.Reply.ENTRY,
-                            lambda conn, payload: conn.decode(p.parse_entry, payload))
-
-    def _stream(self, req: bytes, item: int,
-                decode: Callable[[_Conn, bytes | bytearray], T]) -> Iterator[T]:
-        """Send ``req``, then yield each ``item`` frame (decoded) until OK; ERROR raises."""
+    def _stream(self, req: bytes, item: int, take: Callable[[_Conn, Payload], T],
+                data_max: int = p.FRAME_MAX) -> Iterator[T]:  # fmt: skip
+        """Send ``req``, then yield ``take(conn, payload)`` for each ``item`` frame until OK;
+        ERROR raises. ``take`` decodes and enforces the call's bounds (it may raise)."""
         conn = self._checkout()
         done = False
         try:
-            conn.send(req)
+            conn.send(req, deadline=self._io_deadline())
             while True:
-                ftype, payload = conn.read_frame(_idle_deadline())
+                ftype, payload = conn.read_reply(self._io_deadline(), data_max)
                 if ftype == item:
-                    yield decode(conn, payload)
+                    yield take(conn, payload)
                 elif ftype == p.Reply.OK:
                     done = True
                     return
@@ -634,8 +456,28 @@ class AgentClient:
             else:
                 conn.close()
 
-    def read_file(self, path: PathArg) -> bytes:
-        return b"".join(self.iter_read(path))
+    def _entries(self, op: p.Op, path: bytes, max_entries: int | None) -> Iterator[p.Entry]:
+        if max_entries is not None:
+            check_int(max_entries, "max_entries", self.sandbox_id)
+        count = 0
+
+        def take(conn: _Conn, payload: Payload) -> p.Entry:
+            nonlocal count
+            count += 1
+            if max_entries is not None and count > max_entries:
+                conn.close()
+                raise SandboxFileError(
+                    f"{os.fsdecode(path)} has more than max_entries={max_entries} entries",
+                    sandbox_id=self.sandbox_id,
+                )
+            return conn.decode(p.parse_entry, payload)
+
+        return self._stream(p.request(op, [(p.Tag.PATH, path)]), p.Reply.ENTRY, take)
+
+    def read_file(self, path: PathArg, *, max_bytes: int | None = READ_MAX) -> bytes:
+        """The whole file. More than ``max_bytes`` (default :data:`READ_MAX`, 64 MiB; None:
+        no bound) raises :class:`FileTooLargeError` (see :meth:`iter_read`)."""
+        return b"".join(self.iter_read(path, max_bytes=max_bytes))
 
     def iter_read(
         self,
@@ -644,46 +486,68 @@ class AgentClient:
         *,
         offset: int = 0,
         length: int | None = None,
+        max_bytes: int | None = None,
     ) -> Iterator[bytes]:
-        """Streams a file in chunks of at most ``chunk_size`` bytes (bounded memory)."""
+        """Streams a file in chunks of at most ``chunk_size`` bytes (bounded memory). Once
+        more than ``max_bytes`` (None: no bound) arrived it raises :class:`FileTooLargeError`,
+        having yielded at most ``max_bytes``: the count is of bytes received, whatever size
+        the sandbox claims (a sparse 8 GiB file costs it nothing)."""
+        sid = self.sandbox_id
+        chunk = min(check_int(chunk_size, "chunk_size", sid, lo=1), p.FRAME_MAX)
         fields: list[p.Field] = [
-            (p.Tag.PATH, _sandbox_path(path, self.sandbox_id)),
-            (p.Tag.CHUNK, max(1, min(chunk_size, p.FRAME_MAX))),
-            (p.Tag.OFFSET, offset),
+            (p.Tag.PATH, _sandbox_path(path, sid)),
+            (p.Tag.CHUNK, chunk),
+            (p.Tag.OFFSET, check_int(offset, "offset", sid)),
         ]
         if length is not None:
-            fields.append((p.Tag.LENGTH, length))
-        # bytes or bytearray: both behave as bytes for every caller
-        return self._stream(p.request(p.Op.READ, fields), p.Stream.DATA,
-                            lambda conn, payload: payload)  # type: ignore[arg-type,return-value]
+            fields.append((p.Tag.LENGTH, check_int(length, "length", sid)))
+        if max_bytes is not None:
+            check_int(max_bytes, "max_bytes", sid)
+        got = 0
+
+        def take(conn: _Conn, payload: Payload) -> Payload:
+            nonlocal got
+            got += len(payload)
+            if length is not None and got > length:
+                raise conn.violation(f"sent more than the {length} bytes asked for")
+            if max_bytes is not None and got > max_bytes:
+                conn.close()
+                raise FileTooLargeError(f"{os.fsdecode(path)} is larger than "
+                                        f"max_bytes={max_bytes}", sandbox_id=sid)  # fmt: skip
+            return payload  # bytes or bytearray: both behave as bytes for every caller
+
+        return self._stream(p.request(p.Op.READ, fields), p.Stream.DATA, take,  # type: ignore[return-value]
+                            data_max=chunk)  # fmt: skip
 
     def write_file(
         self,
         path: PathArg,
-        data: bytes | bytearray | memoryview | Iterable[bytes] | BinaryIO,
+        data: UploadData,
         *,
         mode: int = 0o644,
         append: bool = False,
         parents: bool = True,
     ) -> None:
         """Writes a file. Unless appending, data goes to a temp file renamed over ``path``
-        at the end, so readers never see half a file; ``mode`` applies to the new file."""
+        at the end, so readers never see half a file; ``mode`` applies to the new file.
+        Each chunk must be taken by the agent within ``io_timeout``."""
         fields: list[p.Field] = [
             (p.Tag.PATH, _sandbox_path(path, self.sandbox_id)),
-            (p.Tag.MODE, mode & 0o7777),
+            (p.Tag.MODE, self._mode(mode)),
             (p.Tag.APPEND, int(append)),
             (p.Tag.PARENTS, int(parents)),
         ]
+        chunks = upload_chunks(data, self.sandbox_id)
         conn = self._checkout()
         done = False
         try:
-            conn.send(p.request(p.Op.WRITE, fields))
-            for chunk in _chunks(data):
+            conn.send(p.request(p.Op.WRITE, fields), deadline=self._io_deadline())
+            for chunk in chunks:
                 if conn.has_input():  # an early error: stop uploading
                     break
-                conn.send_frame(p.Stream.DATA, chunk)
-            conn.send(p.CLOSE_FRAME)
-            ftype, payload = conn.read_frame(_idle_deadline())
+                conn.send_frame(p.Stream.DATA, chunk, self._io_deadline())
+            conn.send(p.CLOSE_FRAME, deadline=self._io_deadline())
+            ftype, payload = conn.read_reply(self._io_deadline())
             done = ftype in (p.Reply.OK, p.Reply.ERROR)
             if ftype == p.Reply.ERROR:
                 raise self._file_error(conn, payload)
@@ -693,13 +557,18 @@ class AgentClient:
             if done:
                 self._checkin(conn)
             else:
-                conn.close()
+                conn.close()  # mid-upload: the agent drops its temp file
+
+    def _mode(self, mode: object) -> int:
+        # Any st_mode is accepted: only the permission bits go over the wire.
+        return check_int(mode, "mode", self.sandbox_id) & 0o7777
 
     def stat(self, path: PathArg, *, follow_symlinks: bool = False) -> FileInfo:
         raw = _sandbox_path(path, self.sandbox_id)
         conn = self._checkout()
-        conn.send(p.request(p.Op.STAT, [(p.Tag.PATH, raw), (p.Tag.FOLLOW, int(follow_symlinks))]))
-        ftype, payload = conn.read_frame(_idle_deadline())
+        conn.send(p.request(p.Op.STAT, [(p.Tag.PATH, raw), (p.Tag.FOLLOW, int(follow_symlinks))]),
+                  deadline=self._io_deadline())  # fmt: skip
+        ftype, payload = conn.read_reply(self._io_deadline())
         if ftype == p.Reply.ERROR:
             exc = self._file_error(conn, payload)
             self._checkin(conn)
@@ -717,19 +586,22 @@ class AgentClient:
             return False
         return True
 
-    def list_dir(self, path: PathArg) -> list[FileInfo]:
+    def list_dir(self, path: PathArg, *, max_entries: int | None = LIST_MAX_ENTRIES,
+                 ) -> list[FileInfo]:  # fmt: skip
         """Entries of a directory (not recursive), sorted by name; ``path`` fields are
-        absolute."""
+        absolute. More than ``max_entries`` (None: no bound) raises SandboxFileError."""
         raw = _sandbox_path(path, self.sandbox_id)
         base = raw.rstrip(b"/")
-        infos = [_to_info(e, base + b"/" + e.path) for e in self._entries(p.Op.LISTDIR, raw)]
+        infos = [_to_info(e, base + b"/" + e.path)
+                 for e in self._entries(p.Op.LISTDIR, raw, max_entries)]  # fmt: skip
         return sorted(infos, key=lambda i: os.fsencode(i.name))
 
-    def walk(self, path: PathArg) -> Iterator[FileInfo]:
+    def walk(self, path: PathArg, *, max_entries: int | None = None) -> Iterator[FileInfo]:
         """Every entry below ``path``, parents before children, symlinks not followed;
-        ``FileInfo.path`` is relative to ``path``."""
+        ``FileInfo.path`` is relative to ``path``. More than ``max_entries`` (None: no
+        bound, the consumer streams them) raises SandboxFileError."""
         raw = _sandbox_path(path, self.sandbox_id)
-        return (_to_info(e, e.path) for e in self._entries(p.Op.WALK, raw))
+        return (_to_info(e, e.path) for e in self._entries(p.Op.WALK, raw, max_entries))
 
     def mkdir(self, path: PathArg, *, parents: bool = True, mode: int = 0o755) -> None:
         """Creates a directory; with ``parents`` missing parents too and an existing
@@ -737,7 +609,7 @@ class AgentClient:
         raw = _sandbox_path(path, self.sandbox_id)
         self._simple(
             p.Op.MKDIR,
-            [(p.Tag.PATH, raw), (p.Tag.MODE, mode & 0o7777), (p.Tag.PARENTS, int(parents))],
+            [(p.Tag.PATH, raw), (p.Tag.MODE, self._mode(mode)), (p.Tag.PARENTS, int(parents))],
         )
 
     def remove(self, path: PathArg, *, recursive: bool = False) -> None:
@@ -748,12 +620,12 @@ class AgentClient:
     def symlink(self, target: StrOrBytes, path: PathArg) -> None:
         """Creates ``path`` pointing at ``target`` (stored verbatim, may be relative)."""
         raw = _sandbox_path(path, self.sandbox_id)
-        tgt = _bytes_arg(target, "symlink target", self.sandbox_id)
+        tgt = bytes_arg(target, "symlink target", self.sandbox_id)
         self._simple(p.Op.SYMLINK, [(p.Tag.PATH, raw), (p.Tag.PATH2, tgt)])
 
     def chmod(self, path: PathArg, mode: int) -> None:
         raw = _sandbox_path(path, self.sandbox_id)
-        self._simple(p.Op.CHMOD, [(p.Tag.PATH, raw), (p.Tag.MODE, mode & 0o7777)])
+        self._simple(p.Op.CHMOD, [(p.Tag.PATH, raw), (p.Tag.MODE, self._mode(mode))])
 
     def rename(self, src: PathArg, dst: PathArg) -> None:
         a = _sandbox_path(src, self.sandbox_id)
@@ -761,188 +633,11 @@ class AgentClient:
         self._simple(p.Op.RENAME, [(p.Tag.PATH, a), (p.Tag.PATH2, b)])
 
 
-def _send_stdin(conn: _Conn, data: bytes) -> None:
+def _send_stdin(conn: _Conn, data: bytes | bytearray | memoryview,
+                deadline: float | None) -> None:  # fmt: skip
     try:
         for pos in range(0, len(data), UPLOAD_CHUNK):
-            conn.send_frame(p.Stream.DATA, memoryview(data)[pos : pos + UPLOAD_CHUNK])
-        conn.send(p.CLOSE_FRAME)
+            conn.send_frame(p.Stream.DATA, memoryview(data)[pos : pos + UPLOAD_CHUNK], deadline)
+        conn.send(p.CLOSE_FRAME, deadline=deadline)
     except SandboxError:
-        pass  # the reading side reports the lost connection
-
-
-def _chunks(
-    data: bytes | bytearray | memoryview | Iterable[bytes] | BinaryIO,
-) -> Iterator[bytes | memoryview]:
-    if isinstance(data, bytes | bytearray | memoryview):
-        view = memoryview(data)
-        for pos in range(0, len(view), UPLOAD_CHUNK):
-            yield view[pos : pos + UPLOAD_CHUNK]
-    elif hasattr(data, "read"):
-        while chunk := data.read(UPLOAD_CHUNK):  # type: ignore[union-attr]
-            yield chunk
-    else:
-        for item in data:  # type: ignore[union-attr]
-            view = memoryview(item)
-            for pos in range(0, len(view), UPLOAD_CHUNK):
-                yield view[pos : pos + UPLOAD_CHUNK]
-
-
-class AgentProcess:
-    """A process started with :meth:`AgentClient.spawn`, owning its connection.
-
-    A background thread buffers output; at most ``max_buffer_bytes`` of undrained output
-    per stream is kept (more is dropped and the result flagged ``truncated``), so the process
-    never blocks on a slow reader. With a pty all output arrives on stdout. Closing the
-    process (or losing the connection) kills its whole tree.
-    """
-
-    def __init__(self, conn: _Conn, pid: int, pty: bool, max_buffer_bytes: int) -> None:
-        self.pid = pid
-        self.pty = pty
-        self._conn = conn
-        self._limit = max_buffer_bytes
-        self._out = bytearray()
-        self._err = bytearray()
-        self._dropped = False
-        self._exit: p.Exit | None = None
-        self._lost: SandboxError | None = None
-        self._killed = False
-        self._detached = False
-        self._cond = threading.Condition()
-        self._send_lock = threading.Lock()
-        self._reader = threading.Thread(target=self._read_loop, daemon=True, name=f"agent-{pid}")
-        self._reader.start()
-
-    def _read_loop(self) -> None:
-        try:
-            while True:
-                ftype, payload = self._conn.read_frame(None)
-                with self._cond:
-                    if ftype in (p.Reply.STDOUT, p.Reply.STDERR):
-                        buf = self._out if ftype == p.Reply.STDOUT else self._err
-                        room = self._limit - len(buf)
-                        if room < len(payload):
-                            self._dropped = True
-                        buf += payload[: max(room, 0)]
-                    elif ftype == p.Reply.EXIT:
-                        self._exit = self._conn.decode(p.parse_exit, payload)
-                        return
-                    else:
-                        raise SandboxError(f"agent sent unexpected frame 0x{ftype:02x}",
-                                           sandbox_id=self._conn.sandbox_id)  # fmt: skip
-                    self._cond.notify_all()
-        except SandboxError as exc:
-            with self._cond:
-                self._lost = exc
-        finally:
-            with self._send_lock:
-                self._conn.close()
-            with self._cond:
-                self._cond.notify_all()
-
-    @property
-    def done(self) -> bool:
-        return self._exit is not None or self._lost is not None
-
-    def _send(self, data: bytes) -> None:
-        with self._send_lock:
-            if self._conn.closed:
-                raise SandboxStateError(f"process {self.pid} has exited",
-                                        sandbox_id=self._conn.sandbox_id)  # fmt: skip
-            self._conn.send(data)
-
-    def write_stdin(self, data: bytes) -> None:
-        """Sends input; blocks while the process does not read (backpressure)."""
-        for frame in p.data_frames(data, UPLOAD_CHUNK):
-            self._send(frame)
-
-    def close_stdin(self) -> None:
-        """EOF on stdin (with a pty: the EOF character, ^D)."""
-        self._send(p.CLOSE_FRAME)
-
-    def resize(self, rows: int, cols: int) -> None:
-        if not self.pty:
-            raise ConfigError("resize needs a process started with a pty")
-        self._send(p.resize_frame(rows, cols))
-
-    def kill(self, signal: int = 9) -> None:
-        """Sends ``signal`` to the process group; SIGKILL kills the whole tree."""
-        if self.done:
-            return
-        if signal == 9:
-            self._killed = True
-        if not self._send_lock.acquire(timeout=1.0):  # stdin is blocked: cut the connection
-            self._killed = True
-            self._conn.abort()
-            return
-        try:
-            if not self._conn.closed:
-                self._conn.send(p.signal_frame(signal))
-        except SandboxError:
-            pass
-        finally:
-            self._send_lock.release()
-
-    def _drain(self, buf: bytearray, timeout: float | None) -> bytes:
-        with self._cond:
-            if not buf and not self.done and (timeout is None or timeout > 0):
-                self._cond.wait_for(lambda: bool(buf) or self.done, timeout)
-            data = bytes(buf)
-            buf.clear()
-            return data
-
-    def read(self, timeout: float | None = 0) -> bytes:
-        """Buffered stdout (with a pty: all output), drained; waits up to ``timeout``
-        seconds (None: until some arrives or the process ends) if there is none."""
-        return self._drain(self._out, timeout)
-
-    def read_stderr(self, timeout: float | None = 0) -> bytes:
-        return self._drain(self._err, timeout)
-
-    def wait(self, timeout: float | None = None) -> ExecResult | None:
-        """The result once the process exited (with the output not yet read), else None
-        after ``timeout`` seconds."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: self.done, timeout):
-                return None
-            out, err = bytes(self._out), bytes(self._err)
-            self._out.clear()
-            self._err.clear()
-            if self._exit is not None:
-                ex = self._exit
-                if self._dropped and not ex.truncated:
-                    ex = p.Exit(**{**ex.__dict__, "truncated": True})
-                return _result(ex, out, err)
-            if self._killed:  # the connection was cut on purpose
-                return ExecResult(exit_code=137, signal=9, stdout_bytes=out, stderr_bytes=err)
-            if self._detached:
-                raise SandboxStateError(
-                    f"process {self.pid} was detached by a snapshot; it keeps running in the "
-                    "sandbox but this handle no longer sees it",
-                    sandbox_id=self._conn.sandbox_id,
-                )
-            assert self._lost is not None
-            raise self._lost
-
-    def detach(self) -> None:
-        """Lets go of the process without killing it: the agent (told to hold for a
-        checkpoint) keeps it running and drops its output. Output not yet read stays
-        readable; :meth:`wait` then raises :class:`SandboxStateError`."""
-        if self.done:
-            return
-        self._detached = True
-        self._conn.abort()
-        self._reader.join()
-
-    def close(self) -> None:
-        """Kills the process tree if still running and releases the connection."""
-        if not self.done:
-            self._killed = True
-        self._conn.abort()
-        self._reader.join()
-
-    def __enter__(self) -> AgentProcess:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        pass  # the reading side reports the lost connection (or its own deadline)
