@@ -60,7 +60,9 @@ def _run_abuse(runtime: SandboxRuntime, sid: str, command: list[str] | str,
 
 
 def test_fork_bomb_is_contained_by_the_memory_limit(runtime, neighbour):
-    sid = runtime.create(image="ray-sandbox/busybox", memory="256Mi", cpu=0.5)
+    # pids_limit as high as it was by default before 'auto': this test is about memory (the
+    # default now stops the bomb at its pids limit first: test_default_pids_limit...)
+    sid = runtime.create(image="ray-sandbox/busybox", memory="256Mi", cpu=0.5, pids_limit=4096)
     try:
         outcome, watch = _run_abuse(runtime, sid, BOMB, timeout=5)
         state = settle_state(runtime, sid, timeout=5)

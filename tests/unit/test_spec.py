@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from ray_sandbox.runtime.bundle import SandboxDir, build_spec, merge_env
-from ray_sandbox.runtime.config import make_config
+from ray_sandbox.runtime.config import make_config, node_pids_limit
 from ray_sandbox.runtime.errors import SandboxCreationError
 from ray_sandbox.runtime.spec import Spec, apply_transform
 
@@ -72,7 +72,7 @@ def test_unlimited_resources_are_omitted_and_pids_bounded_by_default():
     data = json.loads(_spec(cpu=None, memory=None, pids_limit=None).to_json())
     assert data["linux"]["resources"] == {}
     data = json.loads(_spec().to_json())
-    assert data["linux"]["resources"]["pids"] == {"limit": 4096}
+    assert data["linux"]["resources"]["pids"] == {"limit": node_pids_limit()}
 
 
 def test_merge_env_overrides_and_defaults_path():
