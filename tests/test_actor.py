@@ -274,3 +274,24 @@ def test_disk_limit_through_ray(ray_cluster):
         assert ray.get(sb.exec.remote("rm /fill && echo ok")).stdout == "ok\n"
     finally:
         ray.get(sb.terminate.remote())
+
+
+def test_every_config_option_works_through_create(ray_cluster, ray_home):
+    """Issue 16: create() re-listed 18 of SandboxConfig's fields, so directfs=False and
+    pids_limit= (what the README recommends for hostile code) were TypeErrors through Ray,
+    and memory=None silently meant 512Mi."""
+    import json
+
+    ray = ray_cluster
+    sb = sandbox.create(image="ray-sandbox/busybox", cpu=0, memory=None, directfs=False,
+                        pids_limit=256, capabilities=[])
+    try:
+        assert ray.get(sb.exec.remote("echo ok")).stdout == "ok\n"
+        cfg = json.loads((ray_home / "sandboxes" / sb.sandbox_id / "record.json")
+                         .read_text())["config"]
+        assert (cfg["directfs"], cfg["pids_limit"], cfg["memory"], cfg["cpu"]) == (
+            False, 256, None, None)
+    finally:
+        ray.get(sb.terminate.remote())
+    with pytest.raises(sandbox.ConfigError, match="no_such_option"):
+        sandbox.create(image="ray-sandbox/busybox", no_such_option=1)

@@ -15,7 +15,7 @@ from typing import Any, Literal
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table
 
-from ..runtime.config import EgressPolicy, SandboxConfig
+from ..runtime.config import SandboxConfig
 from ..runtime.errors import ConfigError, SandboxCreationError, SandboxNotFoundError
 from ..runtime.snapshot import Snapshot
 from .handle import SandboxHandle
@@ -31,7 +31,7 @@ from .host import (
     node_alive,
     remove_pg,
 )
-from .template import SandboxTemplate, config_fields, make_template
+from .template import SandboxTemplate, make_template
 
 _log = logging.getLogger(__name__)
 _NODE_ID_LABEL = "ray.io/node-id"  # every Ray node carries it
@@ -49,41 +49,29 @@ def _pg_name(name: str | None, namespace: str | None) -> str:
 def create(
     image: str | None = None,
     *,
-    cpu: float | None = None,
-    memory: int | str | None = None,
-    disk: int | str | None = None,
-    env: Mapping[str, str] | None = None,
-    workdir: str | None = None,
-    readonly: bool | None = None,
-    capabilities: builtins.list[str] | None = None,
-    user: str | None = None,
-    ttl_seconds: float | None = None,
-    timeout_seconds: float | None = None,
-    network: str | None = None,
-    dns: builtins.list[str] | None = None,
-    egress: EgressPolicy | Mapping[str, Any] | None = None,
-    expose_ports: builtins.list[int] | None = None,
-    rootless: bool | Literal["auto"] | None = None,
-    labels: Mapping[str, str] | None = None,
-    spec_transform: Any = None,
-    resources: Mapping[str, float] | None = None,
-    label_selector: Mapping[str, str] | None = None,
-    node_id: str | None = None,
+    config: SandboxConfig | None = None,
     name: str | None = None,
     namespace: str | None = None,
     lifetime: Literal["detached"] | None = None,
     get_if_exists: bool = False,
     template: SandboxTemplate | None = None,
     timeout: float | None = None,
+    **options: Any,
 ) -> SandboxHandle:
     """Create a sandbox somewhere in the Ray cluster and return its handle.
 
+    ``options`` are :class:`SandboxConfig` fields (``cpu``, ``memory``, ``disk``,
+    ``pids_limit``, ``directfs``, ``network``, …, each meaning what it means there) and Ray
+    placement fields (``resources``, ``label_selector``, ``node_id``); an unknown one is a
+    ConfigError naming it. They apply over ``config`` or ``template`` when given. Through Ray
+    the root is writable by default, capped by ``disk="4Gi"``.
+
     Its CPU, memory and ``resources`` are reserved in Ray (a placement group), so placement,
-    queueing when the cluster is full (waits up to ``timeout`` seconds, forever by default)
-    and the autoscaler all see it. By default the sandbox dies with the job that created it;
-    ``lifetime="detached"`` lets it outlive the driver. ``name`` makes it findable with
-    :func:`get`; with ``get_if_exists`` an existing one of that name is returned. ``disk``
-    caps what it may write to its node's disk (root and workdir; not reserved in Ray).
+    queueing when the cluster is full (waits up to ``timeout`` seconds, forever by default,
+    saying what it waits for) and the autoscaler all see it. By default the sandbox dies
+    with the job that created it; ``lifetime="detached"`` lets it outlive the driver.
+    ``name`` makes it findable with :func:`get`; with ``get_if_exists`` an existing one of
+    that name is returned.
     """
     if lifetime not in (None, "detached"):
         raise ConfigError("lifetime must be None or 'detached'")
@@ -92,18 +80,13 @@ def create(
             return get(name, namespace=namespace)
         except SandboxNotFoundError:
             pass
-    t = make_template(
-        template,
-        **config_fields(dict(
-            image=image, cpu=cpu, memory=memory, disk=disk, env=env, workdir=workdir,
-            readonly=readonly,
-            capabilities=capabilities, user=user, ttl_seconds=ttl_seconds,
-            timeout_seconds=timeout_seconds, network=network, dns=dns, egress=egress,
-            expose_ports=expose_ports, rootless=rootless, labels=labels,
-            spec_transform=spec_transform, resources=resources, label_selector=label_selector,
-            node_id=node_id,
-        )),
-    )
+    if config is not None:
+        if template is not None:
+            raise ConfigError("give config= or template=, not both")
+        template = SandboxTemplate(config=config)
+    if image is not None:
+        options["image"] = image
+    t = make_template(template, **options)
     return create_from_template(t, name=name, namespace=namespace, lifetime=lifetime,
                                 timeout=timeout)
 

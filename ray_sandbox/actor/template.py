@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -63,8 +62,3 @@ def make_template(template: SandboxTemplate | None = None, **kwargs: Any) -> San
         )
     except ValidationError as exc:
         raise ConfigError(f"invalid sandbox template: {exc}") from None
-
-
-def config_fields(kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """Drop ``None`` values so unset keyword arguments keep the config's defaults."""
-    return {k: v for k, v in kwargs.items() if v is not None}

@@ -149,7 +149,7 @@ class SandboxConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
     image: str = DEFAULT_IMAGE
-    cpu: float | None = Field(1.0, description="CPU quota in cores; None = unlimited")
+    cpu: float | None = Field(1.0, description="CPU quota in cores; None or 0 = unlimited")
     memory: int | None = Field(512 * 2**20, description="memory limit in bytes; '512Mi' accepted")
     disk: int | None = Field(
         None,
@@ -210,6 +210,8 @@ class SandboxConfig(BaseModel):
     @field_validator("cpu")
     @classmethod
     def _cpu(cls, v: float | None) -> float | None:
+        if v == 0:
+            return None  # like Ray's num_cpus=0: nothing reserved, no quota
         if v is not None and not (0.01 <= v <= 1024):
             raise ValueError("cpu must be between 0.01 and 1024 cores")
         return v

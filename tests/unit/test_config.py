@@ -34,7 +34,7 @@ def test_parse_size_rejects(bad):
     [
         ({"memory": "lots"}, "memory"),
         ({"memory": "1Mi"}, "memory"),
-        ({"cpu": 0}, "cpu"),
+        ({"cpu": -1}, "cpu"),
         ({"env": {"A=B": "x"}}, "env"),
         ({"env": {"A": "x\0y"}}, "env"),
         ({"workdir": "relative"}, "workdir"),
@@ -144,3 +144,7 @@ def test_auto_pids_limit_is_half_the_pid_space_over_the_planned_density():
     assert auto_pids_limit(32768, 1000) == 256  # never below what gVisor itself needs
     assert auto_pids_limit(4194304, 32) == 4096  # nor above the old fixed default
     assert auto_pids_limit(4194304, 1000) == 2097
+
+
+def test_cpu_zero_means_unlimited_like_rays_num_cpus_zero():
+    assert make_config(cpu=0).cpu is None
