@@ -30,7 +30,12 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from ..runtime import SandboxRuntime
 from ..runtime.agent.client import AgentProcess
 from ..runtime.config import SandboxConfig
-from ..runtime.errors import SandboxError, SandboxNotFoundError, SandboxStateError
+from ..runtime.errors import (
+    HostRetiringError,
+    SandboxError,
+    SandboxNotFoundError,
+    SandboxStateError,
+)
 from ..runtime.results import ExecResult, SandboxState, SandboxStatus
 from ..runtime.snapshot import Snapshot, SnapshotDir
 from . import metrics
@@ -48,9 +53,6 @@ _CALL_ATTEMPTS = 8  # a host retiring while called: try a fresh one, ~5 s in all
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-
-class HostRetiringError(SandboxStateError):
-    """The node's host is retiring (idle); the call can go to a fresh host."""
 
 
 def _idle_limit() -> float:

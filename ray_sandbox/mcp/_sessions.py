@@ -20,16 +20,13 @@ import anyio
 import anyio.to_thread
 
 from ..runtime import SandboxRuntime
-from ..runtime.errors import SandboxError
+from ..runtime.errors import SandboxError, SessionError
 from ._config import MCPServerConfig
 
 log = logging.getLogger(__name__)
 
 OWNER_LABEL = {"ray-sandbox/owner": "mcp"}
 
-
-class SessionError(Exception):
-    """A call named an unknown session, or the server is at its session limit."""
 
 
 @dataclass(eq=False)

@@ -12,11 +12,14 @@
     │   ├── RegistryAuthError         registry refused the credentials
     │   ├── PlatformNotFoundError     the image has no manifest for the requested platform
     │   ├── ImageCorruptError         archive/layout/layer is damaged
-    │   └── StoreFullError            no space left for the image store
+    │   ├── StoreFullError            no space left for the image store
+    │   ├── ImageInUseError           pinned by a live sandbox: not removed
+    │   └── ImageBusyError            (also TimeoutError) its lock was held past the timeout
     ├── SandboxCreationError          a sandbox could not be created (nothing is left behind)
     ├── SandboxNotFoundError          unknown or already deleted sandbox id
     │   └── SnapshotNotFoundError     unknown, deleted or orphaned snapshot id
     ├── SandboxStateError             operation not allowed in the sandbox's current state
+    │   └── HostRetiringError         the node's Ray host is retiring; a fresh one can serve
     ├── SandboxDiedError              the sandbox died during the call (OOM kill, crash)
     │   └── AgentTimeoutError         agent missed a deadline (hung, stopped); also TimeoutError
     ├── AgentProtocolError            the agent broke the wire protocol (broken or replaced)
@@ -30,7 +33,12 @@
     │   ├── SandboxPermissionError    (also PermissionError)
     │   ├── UnsafePathError           a path or archive member would escape its target
     │   └── FileTooLargeError         a file is larger than the call's max_bytes
-    └── NetworkError                  network namespace / egress setup failed
+    ├── NetworkError                  network namespace / egress setup failed
+    └── SessionError                  MCP: unknown session, or at the session limit
+
+    ProtocolError (ValueError)        a malformed agent frame, raised by the pure wire codec and
+                                      turned into AgentProtocolError at the one connection
+                                      boundary (agent/conn.py); never reaches a caller
 
 A command that runs and exits non-zero is a result (``ExecResult.exit_code``), never an error.
 """
@@ -71,6 +79,10 @@ __all__ = [
     "UnsafePathError",
     "FileTooLargeError",
     "NetworkError",
+    "ImageInUseError",
+    "ImageBusyError",
+    "HostRetiringError",
+    "SessionError",
 ]
 
 
@@ -241,3 +253,28 @@ class FileTooLargeError(SandboxFileError):
 
 class NetworkError(SandboxError):
     """Network namespace, egress tool or policy setup failed."""
+
+
+class ImageInUseError(ImageError):
+    """The image is pinned by a live sandbox and cannot be removed."""
+
+
+class ImageBusyError(ImageError, TimeoutError):
+    """Another thread or process held the image's lock for longer than the timeout."""
+
+
+class HostRetiringError(SandboxStateError):
+    """The node's host is retiring (idle); the call can go to a fresh host."""
+
+
+class SessionError(SandboxError):
+    """An MCP call named an unknown session, or the server is at its session limit."""
+
+
+class ProtocolError(ValueError):
+    """The agent sent something the wire protocol does not allow (internal: see above)."""
+
+
+# Reprs and tracebacks name the public home of every error, not this private module.
+for _name in __all__:
+    globals()[_name].__module__ = "ray_sandbox"

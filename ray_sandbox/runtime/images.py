@@ -41,8 +41,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from . import image_builders, paths
 from .errors import (
     ConfigError,
+    ImageBusyError,
     ImageCorruptError,
-    ImageError,
+    ImageInUseError,
     ImageNotFoundError,
     ImageReferenceError,
     PlatformNotFoundError,
@@ -63,12 +64,6 @@ _INDEX_TYPES = {
 Progress = Callable[[str], None]
 
 
-class ImageInUseError(ImageError):
-    """The image is pinned by a live sandbox and cannot be removed."""
-
-
-class ImageBusyError(ImageError, TimeoutError):
-    """Another thread or process held the image's lock for longer than the timeout."""
 
 
 # ----------------------------------------------------------------------------- references

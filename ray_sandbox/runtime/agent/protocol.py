@@ -12,6 +12,8 @@ import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+from ..errors import ProtocolError
+
 PROTOCOL_VERSION = 1
 FRAME_MAX = 1 << 20
 HEADER = struct.Struct(">IB")
@@ -94,9 +96,6 @@ class Tag(enum.IntEnum):
     MTIME_NS = 44
     LINK = 45
 
-
-class ProtocolError(ValueError):
-    """The peer sent something this protocol does not allow."""
 
 
 Field = tuple[int, bytes | int]
