@@ -20,10 +20,9 @@ import time
 from pathlib import Path
 
 from benchmarks._harness import emit, summarize
-from ray_sandbox import network
-from ray_sandbox.network import netns as _netns
-from ray_sandbox.runtime import ImageStore, SandboxRuntime, _proc, _subreaper
+from ray_sandbox.runtime import ImageStore, SandboxRuntime, _proc, _subreaper, network
 from ray_sandbox.runtime.config import make_config
+from ray_sandbox.runtime.network import netns as _netns
 from tests.fx_network import (
     BLOB,
     NODE,

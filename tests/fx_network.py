@@ -26,12 +26,11 @@ from pathlib import Path
 
 import pytest
 
-from ray_sandbox import network
-from ray_sandbox.network import dns, ip
-from ray_sandbox.network import netns as _netns
-from ray_sandbox.runtime import _proc, _subreaper, bundle
+from ray_sandbox.runtime import _proc, _subreaper, bundle, network
 from ray_sandbox.runtime.config import SandboxConfig
 from ray_sandbox.runtime.errors import SandboxError
+from ray_sandbox.runtime.network import dns, ip
+from ray_sandbox.runtime.network import netns as _netns
 from ray_sandbox.runtime.runsc import Runsc, RunscFlags
 
 NODE, INET = "rsbt-node", "rsbt-inet"

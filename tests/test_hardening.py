@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from ray_sandbox.network import netns as _netns
 from ray_sandbox.runtime import SandboxRuntime
 from ray_sandbox.runtime.config import EgressPolicy
+from ray_sandbox.runtime.network import netns as _netns
 from tests.fx_hostile import runsc_pid
 from tests.fx_network import WEB, WEB2, free_port
 from tests.fx_runtime import leftovers

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from ray_sandbox.network import dns, procs
-from ray_sandbox.network import netns as _netns
-from ray_sandbox.network import state as _state
-from ray_sandbox.network.procs import ProcRef
 from ray_sandbox.runtime import SandboxRuntime
 from ray_sandbox.runtime.config import make_config
+from ray_sandbox.runtime.network import dns, procs
+from ray_sandbox.runtime.network import netns as _netns
+from ray_sandbox.runtime.network import state as _state
+from ray_sandbox.runtime.network.procs import ProcRef
 from tests.fx_network import DNS_SERVER, INET, WEB, WEB2, Sandboxes
 from tests.fx_runtime import leftovers
 

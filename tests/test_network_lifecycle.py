@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from ray_sandbox import network
-from ray_sandbox.network import _lifecycle, alloc, procs, slirp4netns
+from ray_sandbox.runtime import network
 from ray_sandbox.runtime.config import EgressPolicy, SandboxConfig, make_config
 from ray_sandbox.runtime.errors import ConfigError, NetworkError
+from ray_sandbox.runtime.network import _lifecycle, alloc, procs, slirp4netns
 from tests.fx_network import free_port
 
 pytestmark = pytest.mark.usefixtures("clean_network")
@@ -127,7 +127,7 @@ def test_detach_is_idempotent(tmp_path: Path, upstream) -> None:
 def _crash(sid: str, config: SandboxConfig, state_dir: Path) -> None:
     """Attach in a separate process that then dies without detaching."""
     code = (
-        "import sys; from pathlib import Path; from ray_sandbox import network; "
+        "import sys; from pathlib import Path; from ray_sandbox.runtime import network; "
         "from ray_sandbox.runtime.config import SandboxConfig; "
         "c = SandboxConfig.model_validate_json(sys.argv[3]); "
         "print(network.attach(sys.argv[1], c, Path(sys.argv[2])).model_dump_json())"
@@ -218,8 +218,8 @@ def test_dns_helper_survives_a_reload_signal_sent_at_once(tmp_path):
     import socket
     import time
 
-    from ray_sandbox.network import dns
     from ray_sandbox.runtime import _proc
+    from ray_sandbox.runtime.network import dns
 
     (tmp_path / "policy.json").write_text(json.dumps({"allow_domains": [], "default": "allow"}))
     udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)

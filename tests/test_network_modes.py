@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from ray_sandbox import network
-from ray_sandbox.network import netns as _netns
+from ray_sandbox.runtime import network
 from ray_sandbox.runtime.config import EgressPolicy, make_config
+from ray_sandbox.runtime.network import netns as _netns
 from tests.fx_network import (
     METADATA,
     NODE_ADDR,

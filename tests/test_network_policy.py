@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ray_sandbox.network import dns, ip, nft, policy
-from ray_sandbox.network.settings import host_link, tag, tag_of
 from ray_sandbox.runtime.config import EgressPolicy, make_config
 from ray_sandbox.runtime.errors import ConfigError
+from ray_sandbox.runtime.network import dns, ip, nft, policy
+from ray_sandbox.runtime.network.settings import host_link, tag, tag_of
 
 POOL = "10.213.0.0/16"
 

@@ -23,11 +23,11 @@ from ray.exceptions import RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..actor import SandboxHandle, SandboxTemplate, create_from_template
-from ..network import set_egress
 from ..runtime import ExecResult as SandboxExecResult
 from ..runtime import OutputChunk, SandboxConfig
 from ..runtime.config import EgressPolicy
 from ..runtime.doctor import diagnose
+from ..runtime.network import set_egress
 from ..runtime.paths import home
 from . import _policy
 

@@ -1,24 +1,18 @@
-"""Sandbox networking: ``none``, ``host``, ``public`` (slirp4netns) and ``sandbox`` (gVisor
-netstack on a veth with NAT), egress policy enforced with nftables outside gVisor, published
-ports, and cleanup after crashes. See docs/network.md.
-
-The public names load on first use, so the per-sandbox DNS helper
-(``python -m ray_sandbox.network.dns``) starts without pydantic.
-"""
+"""Deprecated alias: the network layer now lives in :mod:`ray_sandbox.runtime.network`, where
+its imports put it (it is built on the runtime's config, errors and subprocess chokepoint, and
+the runtime drives it). ``from ray_sandbox import network`` keeps working."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import warnings
+from typing import Any
 
-__all__ = ["NetworkAttachment", "attach", "detach", "gc", "leftovers", "set_egress"]
+from ..runtime import network as _network
 
-if TYPE_CHECKING:
-    from ._lifecycle import NetworkAttachment, attach, detach, gc, leftovers, set_egress
+__all__ = _network.__all__
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
-        from . import _lifecycle
-
-        return getattr(_lifecycle, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn("ray_sandbox.network moved to ray_sandbox.runtime.network",
+                  DeprecationWarning, stacklevel=2)
+    return getattr(_network, name)

@@ -1,8 +1,8 @@
 """The Ray-free sandbox runtime: images, OCI bundles, runsc lifecycle, exec and files.
 
 Names are imported on first use: a process that needs one stdlib-only piece (the DNS helper
-each public sandbox starts runs ``ray_sandbox.network.dns``) must not pay ~180 ms of pydantic
-models first, and create waited for exactly that.
+each public sandbox starts runs ``ray_sandbox.runtime.network.dns``) must not pay ~180 ms of
+pydantic models first, and create waited for exactly that.
 """
 
 from __future__ import annotations

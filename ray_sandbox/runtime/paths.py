@@ -8,7 +8,7 @@
     runsc/       runsc's --root state directory
 
 Network state belongs to the node, not to a home: ``/run/ray_sandbox/network``
-(ray_sandbox.network.settings).
+(ray_sandbox.runtime.network.settings).
 """
 
 from __future__ import annotations

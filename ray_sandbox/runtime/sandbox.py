@@ -30,7 +30,7 @@ from typing import Any, BinaryIO, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from . import _mount, _subreaper, archive, bundle, disk, hostfs, paths
+from . import _mount, _subreaper, archive, bundle, disk, hostfs, network, paths
 from .agent.client import READ_MAX, AgentClient, AgentProcess, connect_agent_socket
 from .agent.pyrepl import PythonContext, PythonResult
 from .bundle import SandboxDir
@@ -151,14 +151,6 @@ def _agent_binary() -> Path:
             "`make -C ray_sandbox/runtime/agent` (scripts/setup.sh does)"
         )
     return path
-
-
-def _network():
-    """The network layer (namespaces, egress tools, policy). Imported late because it is
-    built on this package: the runtime only calls its attach/detach/gc."""
-    from .. import network
-
-    return network
 
 
 def _localize_spec(spec: dict[str, Any], sandbox_id: str, netns: str | None) -> dict[str, Any]:
@@ -413,7 +405,7 @@ class SandboxRuntime:
         # a read-only sandbox without a workdir writes only to memory-bounded tmpfs.
         if cfg.disk is not None and (not cfg.readonly or cfg.workdir):
             disk.attach(sdir.disk_image, sdir.disk, cfg.disk, sandbox_id=sandbox_id)
-        attachment = _network().attach(sandbox_id, cfg, sdir.path)
+        attachment = network.attach(sandbox_id, cfg, sdir.path)
         overlay = "none"
         if not cfg.readonly:
             sdir.overlay.mkdir()
@@ -504,7 +496,6 @@ class SandboxRuntime:
     terminate = delete
 
     def _destroy(self, sandbox_id: str, reason: str | None = None) -> None:
-        network = _network()
         with self._lock:
             client = self._clients.pop(sandbox_id, None)
             self._records.pop(sandbox_id, None)
@@ -1172,7 +1163,7 @@ class SandboxRuntime:
         """Replace a ``public``/``sandbox`` network's egress policy; effective within a second
         (open connections to newly denied addresses are cut)."""
         self._record(sandbox_id)
-        _network().set_egress(sandbox_id, self.sandboxes_dir / sandbox_id, policy)
+        network.set_egress(sandbox_id, self.sandboxes_dir / sandbox_id, policy)
 
     async def exec_async(self, sandbox_id: str, command: str | list[str], **kw: Any) -> ExecResult:
         return await asyncio.to_thread(self.exec, sandbox_id, command, **kw)
@@ -1380,7 +1371,6 @@ class SandboxRuntime:
         """Remove what dead owners left behind: sandboxes whose creator died, expired
         detached sandboxes, runsc containers and processes without a record, stale pins.
         Returns the ids removed."""
-        network = _network()
         removed: list[str] = []
         now = time.time()
         live: set[str] = set()

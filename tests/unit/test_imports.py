@@ -1,5 +1,5 @@
 """What importing a piece of the package pulls in. The DNS helper every public/sandbox sandbox
-starts runs ``python -m ray_sandbox.network.dns`` on the create path: when the package's
+starts runs ``python -m ray_sandbox.runtime.network.dns`` on the create path: when the package's
 ``__init__`` pulled the runtime's pydantic models into it, public creates took ~50 ms longer
 (benchmarks/RESULTS.md). Checked by module, not by time."""
 
@@ -17,7 +17,7 @@ def _imported_after(stmt: str) -> set[str]:
 
 
 def test_dns_helper_imports_no_pydantic_and_no_ray():
-    mods = _imported_after("import ray_sandbox.network.dns")
+    mods = _imported_after("import ray_sandbox.runtime.network.dns")
     assert "pydantic" not in mods and "ray" not in mods
     assert "ray_sandbox.runtime.sandbox" not in mods
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ray_sandbox.network import alloc, dns
+from ray_sandbox.runtime.network import alloc, dns
 
 QUERY = bytes.fromhex("abcd0100000100000000000003777777076578616d706c6503636f6d0000010001")
 

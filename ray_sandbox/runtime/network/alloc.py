@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from ..runtime.errors import NetworkError
+from ..errors import NetworkError
 from .settings import node_dir
 
 

@@ -13,8 +13,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..runtime.config import EgressPolicy, SandboxConfig
-from ..runtime.errors import ConfigError, NetworkError, SandboxError
+from ..config import EgressPolicy, SandboxConfig
+from ..errors import ConfigError, NetworkError, SandboxError
 from . import alloc, dns, ip, nft, policy, procs, slirp4netns
 from . import netns as _netns
 from . import state as _state

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from ..runtime.errors import NetworkError
+from ..errors import NetworkError
 
 T = TypeVar("T")
 NETNS_DIR = Path("/run/netns")

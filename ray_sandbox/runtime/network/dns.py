@@ -8,8 +8,8 @@ lookup is already allowed. It runs in the upstream namespace (its own queries ne
 sandbox's filter) while its listening sockets, bound by :func:`start`'s caller and inherited,
 sit where the sandbox can reach them. Imports stay light: this is one process per sandbox.
 
-Run as ``python -m ray_sandbox.network.dns CONFIG.json --tag rsb-<tag>``; SIGHUP re-reads the
-policy file, SIGTERM stops it.
+Run as ``python -m ray_sandbox.runtime.network.dns CONFIG.json --tag rsb-<tag>``; SIGHUP
+re-reads the policy file, SIGTERM stops it.
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ from pathlib import Path
 from queue import Full, Queue
 from subprocess import Popen
 
-from ..runtime import _proc
-from ..runtime.errors import SandboxError
+from .. import _proc
+from ..errors import SandboxError
 from . import netns as _netns
 from . import nft, policy
 
 DEFAULT_UPSTREAMS = ("1.1.1.1", "8.8.8.8")
-MODULE = "ray_sandbox.network.dns"
+MODULE = "ray_sandbox.runtime.network.dns"
 A, AAAA = 1, 28
 NOERROR, SERVFAIL, NXDOMAIN, REFUSED = 0, 2, 3, 5
 _UPSTREAM_TIMEOUT = 2.0

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from ..runtime.errors import ConfigError
+from ..errors import ConfigError
 from .netns import NETNS_DIR
 
 PREFIX = "rsb"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from ..runtime import _proc
-from ..runtime.errors import NetworkError, SandboxError
+from .. import _proc
+from ..errors import NetworkError, SandboxError
 from .netns import NETNS_DIR
 
 _TIMEOUT = 10.0

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from ..runtime.config import EgressPolicy
+from ..config import EgressPolicy
 from .procs import ProcRef
 
 FILE = "network.json"

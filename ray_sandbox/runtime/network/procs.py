@@ -12,7 +12,7 @@ from subprocess import Popen
 
 from pydantic import BaseModel
 
-from ..runtime import _proc
+from .. import _proc
 from .dns import MODULE
 from .settings import PREFIX
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from subprocess import Popen
 
-from ..runtime import _proc
-from ..runtime.errors import ConfigError, NetworkError
+from .. import _proc
+from ..errors import ConfigError, NetworkError
 from . import netns as _netns
 
 GUEST_ADDR = "10.0.2.100"  # slirp4netns' fixed address for the namespace side of tap0

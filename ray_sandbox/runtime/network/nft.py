@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from ..runtime import _proc
-from ..runtime.errors import NetworkError, SandboxError
+from .. import _proc
+from ..errors import NetworkError, SandboxError
 from . import netns as _netns
 
 _TIMEOUT = 10.0
