@@ -74,7 +74,10 @@ def run_one(sb: sandbox.SandboxHandle, item: tuple[str, str, str], timeout: floa
     ray.get(sb.write_file.remote("/work/solution.py", code))
     ray.get(sb.write_file.remote("/work/test_solution.py",
                                  "from solution import solve\n" + TASKS[task][1]))
-    res = ray.get(sb.exec.remote("python3 test_solution.py", timeout=timeout, cwd="/work"))
+    try:
+        res = ray.get(sb.exec.remote("python3 test_solution.py", timeout=timeout, cwd="/work"))
+    except sandbox.SandboxDiedError:  # e.g. it hit its memory or pids limit: a failed episode
+        return Outcome(task, behaviour, False, False, 137, time.perf_counter() - t0)
     return Outcome(task, behaviour, res.exit_code == 0 and not res.timed_out, res.timed_out,
                    res.exit_code, time.perf_counter() - t0)
 

@@ -106,4 +106,12 @@ else
   log "no Python >= 3.12: $HARBOR_VENV not built; tests/test_harbor.py will be skipped"
 fi
 
+# Each sandbox holds ~28 host threads plus ~9 per guest process (ptrace), all out of the
+# node's pid_max: a stock 32768 stops a node near 1,100 idle sandboxes and makes
+# pids_limit="auto" small (docs/security.md). Raise it to the kernel's maximum.
+if [ "$(cat /proc/sys/kernel/pid_max)" -lt 4194304 ]; then
+  log "raising kernel.pid_max to 4194304 (was $(cat /proc/sys/kernel/pid_max))"
+  sysctl -q -w kernel.pid_max=4194304 || log "could not raise kernel.pid_max (in a container?)"
+fi
+
 log "ready: runsc $(runsc --version | awk '/runsc version/{print $3}'), python $("$VENV/bin/python" -V 2>&1)"

@@ -46,7 +46,7 @@ def test_default_pids_limit_leaves_the_node_room(runtime):
     finally:
         runtime.delete(sid)
     assert limit == node_pids_limit()
-    assert limit * PLANNED_DENSITY <= max(node_pid_max() // 2, 256 * PLANNED_DENSITY)
+    assert limit * PLANNED_DENSITY <= max(node_pid_max() // 2, 1024 * PLANNED_DENSITY)
 
 
 def test_a_second_home_on_a_shared_store_keeps_the_first_homes_pins(temp_store,

@@ -75,3 +75,4 @@ def test_an_unplaceable_create_says_what_it_waits_for(ray_cluster, monkeypatch, 
             sandbox.create(image="ray-sandbox/busybox", cpu=64, memory="64Mi", timeout=2)
     waits = [r.getMessage() for r in caplog.records if "waiting" in r.getMessage()]
     assert waits and "largest" in waits[0], caplog.text
+

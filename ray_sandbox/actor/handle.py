@@ -17,8 +17,6 @@ import ray
 
 from ..runtime import archive, hostfs
 
-_CHUNK = 4 << 20
-
 
 class _Method:
     """``handle.name.remote(...)`` / ``handle.name.options(...).remote(...)``."""
@@ -37,7 +35,7 @@ def _chunk_refs(chunks: Iterable[bytes]) -> list[ray.ObjectRef]:
     for c in chunks:
         buf.append(c)
         size += len(c)
-        if size >= _CHUNK:
+        if size >= archive.TRANSFER_CHUNK:
             refs.append(ray.put(b"".join(buf)))
             buf, size = [], 0
     if buf or not refs:
@@ -201,7 +199,7 @@ class SandboxHandle:
         def call(local: str | Path, remote: str) -> ray.ObjectRef:
             mode = Path(local).stat().st_mode & 0o7777
             with open(local, "rb") as f:
-                refs = _chunk_refs(iter(lambda: f.read(_CHUNK), b""))
+                refs = _chunk_refs(iter(lambda: f.read(archive.TRANSFER_CHUNK), b""))
             return self._host.write_from_refs.remote(self.sandbox_id, remote, refs, mode)
 
         return _Method(call)

@@ -29,6 +29,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..runtime import SandboxRuntime
 from ..runtime.agent.client import AgentProcess
+from ..runtime.archive import TRANSFER_CHUNK
 from ..runtime.config import SandboxConfig
 from ..runtime.errors import (
     HostRetiringError,
@@ -47,7 +48,6 @@ BUNDLE_LABEL = "ray-sandbox/bundle"  # snapshot label: the source's Ray reservat
 SUSPENDED_LABEL = "ray-sandbox/suspended"  # snapshot label: id of the sandbox it suspends
 _WATCH_INTERVAL = 1.0
 _PG_SWEEP = 60.0
-_CHUNK = 4 << 20
 _CALL_ATTEMPTS = 8  # a host retiring while called: try a fresh one, ~5 s in all
 
 log = logging.getLogger(__name__)
@@ -450,7 +450,7 @@ def _rechunk(chunks: Iterator[bytes]) -> Iterator[bytes]:
     for c in chunks:
         buf.append(c)
         size += len(c)
-        if size >= _CHUNK:
+        if size >= TRANSFER_CHUNK:
             yield b"".join(buf)
             buf, size = [], 0
     if buf:

@@ -14,7 +14,7 @@ import os
 import threading
 import time
 
-from . import _proc
+from . import _proc, procfs
 
 _PR_SET_CHILD_SUBREAPER = 36
 _REAPABLE_COMM = frozenset({"exe", "runsc", "runsc-sandbox", "runsc-gofer", "slirp4netns", "pasta"})
@@ -51,14 +51,8 @@ def _children() -> list[int]:
 
 
 def _zombie_comm(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    comm = stat[stat.index("(") + 1 : stat.rindex(")")]
-    state = stat[stat.rindex(")") + 2]
-    return comm if state == "Z" else None
+    st = procfs.stat(pid)
+    return st.comm if st is not None and st.state == "Z" else None
 
 
 def reap_orphans() -> int:

@@ -21,6 +21,9 @@ from .errors import SandboxError, SandboxFileError, UnsafePathError
 
 BLOCK = tarfile.BLOCKSIZE
 CHUNK = 1 << 20
+# Files, archives and snapshots cross Ray's object store (and snapshot exports) in pieces of
+# this size: few enough objects, bounded memory on both sides.
+TRANSFER_CHUNK = 4 << 20
 
 
 def member_path(name: str) -> str:

@@ -70,9 +70,10 @@ MAX_TTL = 365 * 86400.0
 MAX_TIMEOUT = 7 * 86400.0
 AGENT_DIR = "/.rsb"  # the in-sandbox agent's own directory (docs/agent.md)
 # pids_limit="auto": the node's pid_max is shared by this many sandboxes at their limit, with
-# half of it left to everything else on the node.
+# half of it left to everything else on the node; never below what ~110 guest processes need
+# on ptrace (a rollout forking 64 Python workers needs ~600), never above the old 4096.
 PLANNED_DENSITY = 32
-_AUTO_PIDS = (256, 4096)
+_AUTO_PIDS = (1024, 4096)
 _MIN_DISK = 2**20
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
 _LABEL = r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?"
@@ -353,7 +354,8 @@ class SandboxConfig(BaseModel):
 
 def auto_pids_limit(pid_max: int, density: int = PLANNED_DENSITY) -> int:
     """The ``pids_limit="auto"`` value: half of ``pid_max`` over ``density`` sandboxes,
-    within 256..4096 (below 256 gVisor itself has no room)."""
+    within 1024..4096. ``scripts/setup.sh`` raises a stock pid_max of 32768 to 4194304, which
+    makes it 4096."""
     lo, hi = _AUTO_PIDS
     return max(lo, min(hi, pid_max // (2 * max(1, density))))
 

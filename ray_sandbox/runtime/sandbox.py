@@ -30,7 +30,7 @@ from typing import Any, BinaryIO, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from . import _mount, _subreaper, archive, bundle, disk, hostfs, network, paths
+from . import _mount, _subreaper, archive, bundle, disk, hostfs, network, paths, procfs
 from .agent.client import READ_MAX, AgentClient, AgentProcess, connect_agent_socket
 from .agent.pyrepl import PythonContext, PythonResult
 from .bundle import SandboxDir
@@ -68,7 +68,6 @@ T = TypeVar("T")
 _log = logging.getLogger(__name__)
 _ID_RE = re.compile(r"^[0-9a-f]{32}$")
 _READY_TIMEOUT = 20.0
-_CGROUP_ROOT = Path("/sys/fs/cgroup")
 HOLD_FILE = "checkpoint.hold"  # the agent's HOLD_NAME (agent.c)
 _CHECKPOINT_RETRY_S = 3.0
 _RESTORE_PARALLEL = 8  # concurrent restores; two cores saturate well before this
@@ -116,30 +115,21 @@ class SandboxRecord(BaseModel):
                           oci_seccomp=self.oci_seccomp)
 
 
-def _process_start(pid: int) -> int | None:
-    """Start time (clock ticks since boot) of ``pid``; distinguishes a reused PID."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-        return int(stat[stat.rindex(")") + 2 :].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
-def _is_zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] == "Z"
+
+
+def _start_of(pid: int) -> int | None:
+    st = procfs.stat(pid)
+    return None if st is None else st.start
 
 
 def _owner_alive(rec: SandboxRecord) -> bool:
     if rec.owner_pid is None:
         return True  # detached: only deleted explicitly or by its TTL
     # A zombie is dead: its parent (e.g. a subreaper that does not collect it) may never reap.
-    return _process_start(rec.owner_pid) == rec.owner_start and not _is_zombie(rec.owner_pid)
+    st = procfs.stat(rec.owner_pid)
+    return st is not None and st.start == rec.owner_start and st.state != "Z"
 
 
 def _agent_binary() -> Path:
@@ -168,31 +158,10 @@ def _localize_spec(spec: dict[str, Any], sandbox_id: str, netns: str | None) -> 
     return spec
 
 
-def _cgroup_dirs(sandbox_id: str) -> list[Path]:
-    if not _CGROUP_ROOT.is_dir():
-        return []
-    return [c / sandbox_id for c in _CGROUP_ROOT.iterdir() if (c / sandbox_id).is_dir()]
 
 
-def _cgroup_counted(key: str, *files: Path) -> bool:
-    """True if the first readable of ``files`` (a cgroup v1 path, then its v2 twin; v2 is not
-    verified on this cgroup-v1 machine) has a ``key N`` line with N > 0."""
-    for path in files:
-        try:
-            text = path.read_text()
-        except OSError:
-            continue
-        for line in text.splitlines():
-            k, _, v = line.partition(" ")
-            if k == key and v.strip() not in ("", "0"):
-                return True
-    return False
 
 
-def _oom_killed(sandbox_id: str) -> bool:
-    """The kernel OOM-killed something in the sandbox's memory cgroup."""
-    return _cgroup_counted("oom_kill", _CGROUP_ROOT / "memory" / sandbox_id / "memory.oom_control",
-                           _CGROUP_ROOT / sandbox_id / "memory.events")
 
 
 def _accepts(path: Path) -> bool:
@@ -214,10 +183,6 @@ def _stdin_bytes(stdin: bytes | str | None, sandbox_id: str) -> bytes | None:
         raise ExecError("stdin text cannot be encoded as UTF-8", sandbox_id=sandbox_id) from None
 
 
-def _pids_exhausted(sandbox_id: str) -> bool:
-    """A fork was refused by the sandbox's pids limit (``pids.events``: ``max N``)."""
-    return _cgroup_counted("max", _CGROUP_ROOT / "pids" / sandbox_id / "pids.events",
-                           _CGROUP_ROOT / sandbox_id / "pids.events")
 
 
 def _maps_death(method: Callable[..., T]) -> Callable[..., T]:
@@ -432,7 +397,7 @@ class SandboxRuntime:
             created_at=now,
             ttl_deadline=now + cfg.ttl_seconds if cfg.ttl_seconds else None,
             owner_pid=None if detach else os.getpid(),
-            owner_start=None if detach else _process_start(os.getpid()),
+            owner_start=None if detach else procfs.stat(os.getpid()).start,
             network=attachment.runsc_network,
             overlay=overlay,
             platform=cfg.platform,
@@ -519,7 +484,7 @@ class SandboxRuntime:
         rec = self._load_record(sandbox_id)
         if rec is not None:
             self.images.unpin(rec.image_digest, self._pin_owner(sandbox_id))
-        for cg in _cgroup_dirs(sandbox_id):
+        for cg in procfs.cgroup_dirs(sandbox_id):
             try:
                 cg.rmdir()
             except OSError:
@@ -612,7 +577,7 @@ class SandboxRuntime:
                 overlay=rec.overlay != "none", platform=rec.platform, rootless=rec.rootless,
                 source_dir=str(sdir.path),
                 owner_pid=None if detach else os.getpid(),
-                owner_start=None if detach else _process_start(os.getpid()),
+                owner_start=None if detach else procfs.stat(os.getpid()).start,
                 labels=dict(labels or {}),
             )  # fmt: skip
             return sd.seal(snap)
@@ -849,7 +814,7 @@ class SandboxRuntime:
             snap = snap.model_copy(update={
                 "path": str(dest),
                 "owner_pid": None if detach else os.getpid(),
-                "owner_start": None if detach else _process_start(os.getpid()),
+                "owner_start": None if detach else procfs.stat(os.getpid()).start,
             })  # fmt: skip
             sd.write(snap)
             os.replace(tmp, dest)
@@ -875,7 +840,7 @@ class SandboxRuntime:
             except SandboxError:
                 pass
             else:
-                if snap.owner_pid is None or _process_start(snap.owner_pid) == snap.owner_start:
+                if snap.owner_pid is None or _start_of(snap.owner_pid) == snap.owner_start:
                     continue
             sd.remove()
             removed.append(d.name)
@@ -912,7 +877,7 @@ class SandboxRuntime:
         """Whether the kernel OOM-killed a process of this sandbox (its memory cgroup's
         counter: cheap, no runsc call; False once the sandbox is deleted)."""
         self._check_id(sandbox_id)
-        return _oom_killed(sandbox_id)
+        return procfs.oom_killed(sandbox_id)
 
     def get_status(self, sandbox_id: str) -> SandboxStatus:
         """The sandbox's state as runsc reports it now."""
@@ -947,9 +912,9 @@ class SandboxRuntime:
             return SandboxState.RUNNING, None
         if st.status == "paused":
             return SandboxState.PAUSED, None
-        if _oom_killed(rec.sandbox_id):
+        if procfs.oom_killed(rec.sandbox_id):
             return SandboxState.ERROR, "OOMKilled"
-        if _pids_exhausted(rec.sandbox_id):
+        if procfs.pids_exhausted(rec.sandbox_id):
             return SandboxState.ERROR, "PidsLimit"
         return SandboxState.ERROR, "SandboxExited"
 
@@ -1442,7 +1407,7 @@ class SandboxRuntime:
         while killed and time.monotonic() < deadline:
             _subreaper.reap_orphans()
             killed = [pid for pid in killed
-                      if Path(f"/proc/{pid}").exists() and not _is_zombie(pid)]
+                      if (st := procfs.stat(pid)) is not None and st.state != "Z"]
             if killed:
                 time.sleep(0.01)
         _subreaper.reap_orphans()

@@ -29,13 +29,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .archive import as_file, member_path
+from .archive import TRANSFER_CHUNK, as_file, member_path
 from .errors import SnapshotCorruptError, SnapshotNotFoundError
 
 IMAGE_FILES = ("checkpoint.img", "pages.img", "pages_meta.img")
 _HASHED = ("checkpoint.img", "pages_meta.img")  # small; pages.img is checked by size
 _XATTR_PAX = "SCHILY.xattr."  # how GNU tar and libarchive carry xattrs in pax headers
-_CHUNK = 4 << 20
 
 
 class Snapshot(BaseModel):
@@ -231,7 +230,7 @@ def pack(path: Path) -> Iterator[bytes]:
                         tar.addfile(info, f)
                 else:
                     tar.addfile(info)
-                if sum(map(len, sink.parts)) >= _CHUNK:
+                if sum(map(len, sink.parts)) >= TRANSFER_CHUNK:
                     yield b"".join(sink.parts)
                     sink.parts.clear()
     yield b"".join(sink.parts)

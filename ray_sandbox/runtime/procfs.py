@@ -1,0 +1,62 @@
+"""Readers of the host's /proc and cgroup files: the one parser of ``/proc/PID/stat`` and the
+cgroup counters a sandbox's status is derived from. Pure reads, no side effects."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+class ProcStat(NamedTuple):
+    comm: str
+    state: str  # R, S, D, Z, ...
+    start: int  # clock ticks after boot (field 22): tells a reused PID apart
+
+
+def stat(pid: int) -> ProcStat | None:
+    """``/proc/PID/stat`` of ``pid``, or None if it is gone. The command name may contain
+    spaces and parentheses, so fields are counted from the last ``)``."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            raw = f.read()
+        close = raw.rindex(")")
+        fields = raw[close + 2 :].split()
+        return ProcStat(raw[raw.index("(") + 1 : close], fields[0], int(fields[19]))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def cgroup_dirs(sandbox_id: str) -> list[Path]:
+    """The sandbox's cgroup directory under every controller that has one."""
+    if not CGROUP_ROOT.is_dir():
+        return []
+    return [c / sandbox_id for c in CGROUP_ROOT.iterdir() if (c / sandbox_id).is_dir()]
+
+
+def cgroup_counted(key: str, *files: Path) -> bool:
+    """True if the first readable of ``files`` (a cgroup v1 path, then its v2 twin; v2 is not
+    verified on this cgroup-v1 machine) has a ``key N`` line with N > 0."""
+    for path in files:
+        try:
+            text = path.read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            k, _, v = line.partition(" ")
+            if k == key and v.strip() not in ("", "0"):
+                return True
+    return False
+
+
+def oom_killed(sandbox_id: str) -> bool:
+    """The kernel OOM-killed something in the sandbox's memory cgroup."""
+    return cgroup_counted("oom_kill", CGROUP_ROOT / "memory" / sandbox_id / "memory.oom_control",
+                          CGROUP_ROOT / sandbox_id / "memory.events")
+
+
+def pids_exhausted(sandbox_id: str) -> bool:
+    """A fork was refused by the sandbox's pids limit (``pids.events``: ``max N``)."""
+    return cgroup_counted("max", CGROUP_ROOT / "pids" / sandbox_id / "pids.events",
+                          CGROUP_ROOT / sandbox_id / "pids.events")
