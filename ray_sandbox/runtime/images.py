@@ -1,5 +1,8 @@
 """Image references and the node-local image store.
 
+(Over 600 lines: references, models and the store with its eviction are due to become an
+``images`` package, docs/ENGINEERING.md "what comes next", issue 16.)
+
 :func:`parse_reference` turns what users write (``python:3.12-slim``, ``oci:/x:tag``,
 ``ray-sandbox/python``) into an :class:`ImageRef`. :class:`ImageStore` pulls each image once per
 node (skopeo), unpacks it once into a shared read-only rootfs keyed by manifest digest (umoci) and

@@ -1,5 +1,8 @@
 """SandboxRuntime: create, drive and delete gVisor sandboxes on this node, without Ray.
 
+(Over 600 lines and ~75 methods: the split into launch, records, exec requests, files,
+snapshots, holds and the reaper is issue 16's open part, docs/ENGINEERING.md.)
+
 State lives on disk (``home()/sandboxes/<id>/record.json`` plus runsc's own state), so any
 process on the node can address any sandbox by id, status is read from runsc rather than from
 bookkeeping, and a reaper can clean up after a creator that died.

@@ -1,5 +1,8 @@
 """Host-side client of the in-sandbox agent.
 
+(643 lines, one cohesive thing: every request the agent serves, with its client-side bounds;
+framing, argument checks and AgentProcess already live in conn.py, args.py, process.py.)
+
 Each call checks a connection out of a small pool (one connection = one handler process in
 the sandbox), runs one request on it and puts it back. A long-lived :class:`AgentProcess`
 owns its connection until it is closed. Every failure is a :class:`SandboxError` subclass.
