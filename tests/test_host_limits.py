@@ -91,3 +91,14 @@ def test_bad_call_arguments_are_config_errors(runtime, call):
         assert runtime.exec(sid, ["echo", "still"]).stdout == "still\n"
     finally:
         runtime.delete(sid)
+
+
+@pytest.mark.parametrize("bad", ["soon", "0", "-1", "nan", "1e10"])
+def test_a_bad_agent_io_timeout_is_a_config_error(tmp_path, monkeypatch, bad):
+    """A mistyped RAY_SANDBOX_AGENT_IO_TIMEOUT used to be a bare ValueError at startup (in Ray:
+    every create on the node failed with it)."""
+    from ray_sandbox.runtime import SandboxRuntime
+
+    monkeypatch.setenv("RAY_SANDBOX_AGENT_IO_TIMEOUT", bad)
+    with pytest.raises(ConfigError, match="RAY_SANDBOX_AGENT_IO_TIMEOUT"):
+        SandboxRuntime(tmp_path, reap=False)

@@ -37,7 +37,7 @@ from . import _mount, _subreaper, archive, bundle, disk, hostfs, network, paths,
 from .agent.client import READ_MAX, AgentClient, AgentProcess, connect_agent_socket
 from .agent.pyrepl import PythonContext, PythonResult
 from .bundle import SandboxDir
-from .config import EgressPolicy, SandboxConfig, make_config
+from .config import MAX_TIMEOUT, EgressPolicy, SandboxConfig, make_config
 from .errors import (
     CommandError,
     ConfigError,
@@ -120,6 +120,19 @@ class SandboxRecord(BaseModel):
 
 
 
+
+
+def _io_timeout(given: float | None) -> float:
+    """The agent frame deadline: ``given``, else ``RAY_SANDBOX_AGENT_IO_TIMEOUT``, else 60 s."""
+    raw: Any = given if given is not None else os.environ.get("RAY_SANDBOX_AGENT_IO_TIMEOUT", 60.0)
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not 0 < value <= MAX_TIMEOUT:  # also refuses nan
+        raise ConfigError(f"io_timeout / RAY_SANDBOX_AGENT_IO_TIMEOUT must be seconds in "
+                          f"(0, {MAX_TIMEOUT:.0f}], got {raw!r}")
+    return value
 
 
 def _start_of(pid: int) -> int | None:
@@ -224,8 +237,7 @@ class SandboxRuntime:
     ) -> None:
         # how long one frame to or from a sandbox's agent may take (a frozen agent must not
         # pin the caller); RAY_SANDBOX_AGENT_IO_TIMEOUT reaches the runtime of a Ray host too
-        self._io_timeout = float(io_timeout or os.environ.get("RAY_SANDBOX_AGENT_IO_TIMEOUT",
-                                                              60.0))
+        self._io_timeout = _io_timeout(io_timeout)
         self.home = Path(home) if home is not None else paths.home()
         self.sandboxes_dir = self.home / "sandboxes"
         self._pin_prefix = hashlib.sha256(str(self.home.resolve()).encode()).hexdigest()[:12] + ":"
