@@ -1,0 +1,33 @@
+"""Images for sandboxes: :mod:`.reference` parses what users write, :mod:`.models` holds what
+the store knows about an image, :mod:`.store` is the node-local :class:`ImageStore`, whose
+files, locks and work directories are in :mod:`.storedir` and whose pins and deletions are in
+:mod:`.eviction`. See docs/images.md."""
+
+from __future__ import annotations
+
+from ..errors import ImageBusyError, ImageInUseError
+from .models import Image, ImageConfig, Platform
+from .reference import (
+    LOCAL_NAMESPACE,
+    ImageRef,
+    PullPolicy,
+    Transport,
+    is_loopback,
+    parse_reference,
+)
+from .store import ImageStore
+
+__all__ = [
+    "LOCAL_NAMESPACE",
+    "Image",
+    "ImageBusyError",
+    "ImageConfig",
+    "ImageInUseError",
+    "ImageRef",
+    "ImageStore",
+    "Platform",
+    "PullPolicy",
+    "Transport",
+    "is_loopback",
+    "parse_reference",
+]

@@ -1,0 +1,372 @@
+"""The node-local image store: :class:`ImageStore` pulls each image once per node (skopeo),
+unpacks it once into a shared read-only rootfs keyed by manifest digest (umoci) and answers
+cached lookups without starting a process. Its files are described in :mod:`.storedir`."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import re
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import NamedTuple
+
+from .. import image_builders, paths
+from ..errors import (
+    ImageNotFoundError,
+    ImageReferenceError,
+    PlatformNotFoundError,
+    StoreFullError,
+)
+from ..skopeo import Skopeo
+from ..umoci import Umoci
+from . import eviction
+from .models import (
+    Image,
+    Platform,
+    _blob_digests,
+    _ImageRecord,
+    _parse_manifest,
+    _platform_label,
+    _read_layout,
+    _RefRecord,
+)
+from .reference import (
+    LOCAL_NAMESPACE,
+    ImageRef,
+    PullPolicy,
+    Transport,
+    _hex,
+    is_loopback,
+    parse_reference,
+)
+from .storedir import StoreDir, ref_key
+
+DEFAULT_PULL_TIMEOUT = 1800.0
+_TAG = "image"  # the tag every per-image OCI layout uses
+
+Progress = Callable[[str], None]
+
+
+class _Resolved(NamedTuple):
+    source_digest: str  # digest of what the tag points to (an index or a manifest)
+    digest: str  # the manifest for our platform
+    blobs: list[str]  # its config and layers, to reuse from the pool
+
+
+LOCAL_IMAGES: dict[str, Callable[..., None]] = {
+    f"{LOCAL_NAMESPACE}/busybox:latest": image_builders.write_busybox_layout,
+    f"{LOCAL_NAMESPACE}/python:latest": image_builders.write_python_layout,
+}
+
+
+def find_authfile() -> Path | None:
+    """The first existing containers/docker auth file, in the order skopeo documents."""
+    candidates = [os.environ.get("REGISTRY_AUTH_FILE")]
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        candidates.append(f"{os.environ['XDG_RUNTIME_DIR']}/containers/auth.json")
+    candidates.append(str(Path.home() / ".docker" / "config.json"))
+    return next((Path(c) for c in candidates if c and Path(c).is_file()), None)
+
+
+def _sha256(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def _disk_usage(root: Path) -> int:
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            st = os.lstat(os.path.join(dirpath, name))
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
+    return total
+
+
+def _remaining(deadline: float) -> float:
+    return max(0.001, deadline - time.monotonic())
+
+
+class ImageStore:
+    """Pull, unpack, cache, pin and evict images on this node; safe across threads and processes.
+
+    ``max_bytes`` caps the store: after each new image the least recently used unpinned images
+    are removed until it fits. ``insecure_registries`` (``host`` or ``host:port``) are reached
+    over plain HTTP / without TLS verification; loopback registries always are.
+    """
+
+    def __init__(
+        self,
+        root: Path | str | None = None,
+        *,
+        max_bytes: int | None = None,
+        insecure_registries: Iterable[str] = (),
+        platform: Platform | str | None = None,
+        authfile: Path | str | None = None,
+    ) -> None:
+        self.root = Path(root) if root is not None else paths.images()
+        self.max_bytes = max_bytes
+        self.insecure_registries = frozenset(insecure_registries)
+        self.platform = (Platform.parse(platform) if isinstance(platform, str)
+                         else platform or Platform())
+        auth = Path(authfile) if authfile is not None else find_authfile()
+        self._skopeo = Skopeo(os=self.platform.os, arch=self.platform.architecture,
+                              variant=self.platform.variant, authfile=auth)
+        self._umoci = Umoci()
+        self._dir = StoreDir(self.root)
+        self._dir.make_dirs()
+        self._dir.sweep()
+
+    # -- public API ---------------------------------------------------------------------
+
+    def get(
+        self,
+        ref: str,
+        *,
+        policy: PullPolicy = PullPolicy.IF_NOT_PRESENT,
+        timeout: float = DEFAULT_PULL_TIMEOUT,
+        progress: Progress | None = None,
+    ) -> Image:
+        """The image for ``ref``, pulled or built and unpacked first if needed.
+
+        A cache hit reads two small files and starts no process. With ``ALWAYS`` the reference
+        is re-resolved (a moved tag pulls the new image); ``NEVER`` never fetches. Locally built
+        images (``ray-sandbox/…``) are only built when missing (rebuild with :meth:`build`).
+        """
+        parsed = parse_reference(ref)
+        refetch = policy is PullPolicy.ALWAYS and parsed.transport is not Transport.LOCAL
+        return self._get(parsed, refetch=refetch, fetch=policy is not PullPolicy.NEVER,
+                         timeout=timeout, progress=progress)
+
+    def pull(
+        self, ref: str, *, timeout: float = DEFAULT_PULL_TIMEOUT, progress: Progress | None = None
+    ) -> Image:
+        """Re-resolve ``ref`` and fetch it if it changed (``get`` with ``ALWAYS``)."""
+        return self.get(ref, policy=PullPolicy.ALWAYS, timeout=timeout, progress=progress)
+
+    def build(
+        self, ref: str = f"{LOCAL_NAMESPACE}/python:latest", *, force: bool = False,
+        timeout: float = DEFAULT_PULL_TIMEOUT, progress: Progress | None = None,
+    ) -> Image:
+        """Build a local ``ray-sandbox/…`` image (again, with ``force``)."""
+        parsed = parse_reference(ref)
+        if parsed.transport is not Transport.LOCAL:
+            raise ImageReferenceError(f"{ref!r} is not a local image; known: {list(LOCAL_IMAGES)}")
+        return self._get(parsed, refetch=force, fetch=True, timeout=timeout, progress=progress)
+
+    def inspect(self, ref_or_digest: str) -> Image:
+        """The stored image for a reference or ``sha256:`` digest; never fetches."""
+        digest, parsed = self._resolve_local(ref_or_digest)
+        image = self._dir.load(digest, ref=str(parsed) if parsed else digest, touch=False)
+        if image is None:
+            raise ImageNotFoundError(f"{ref_or_digest} is not in the image store")
+        return image
+
+    def list(self) -> list[Image]:
+        """One entry per reference, plus one per image no reference points to (ref = digest)."""
+        images: list[Image] = []
+        referenced: set[str] = set()
+        for record in self._dir.ref_records():
+            if (image := self._dir.load(record.digest, ref=record.ref, touch=False)) is not None:
+                images.append(image)
+                referenced.add(record.digest)
+        for digest in self._dir.digests():
+            if digest not in referenced and (
+                image := self._dir.load(digest, ref=digest, touch=False)
+            ) is not None:
+                images.append(image)
+        return sorted(images, key=lambda i: i.ref)
+
+    def remove(self, ref_or_digest: str) -> list[str]:
+        """Untag a reference (deleting the image when no reference is left) or delete an image
+        by digest with all its references. Returns the digests deleted.
+
+        Raises :class:`ImageInUseError` if the image would be deleted while pinned.
+        """
+        digest, parsed = self._resolve_local(ref_or_digest)
+        untag = None if parsed is None else self._dir.ref_file(self._ref_key(parsed))
+        return eviction.remove(self._dir, digest, untag=untag, name=ref_or_digest)
+
+    def prune(self, *, all_images: bool = False) -> list[str]:
+        """Delete unpinned images no reference points to (every unpinned one with
+        ``all_images``), orphaned blobs and stale work directories. Returns deleted digests."""
+        return eviction.prune(self._dir, all_images=all_images)
+
+    def pin(self, digest: str, owner: str) -> None:
+        """Keep ``digest`` from eviction and removal until ``owner`` unpins it (survives
+        restarts). Raises ImageNotFoundError if the image is gone (e.g. removed after get)."""
+        eviction.pin(self._dir, digest, owner)
+
+    def unpin(self, digest: str, owner: str) -> None:
+        """Drop ``owner``'s pin; idempotent."""
+        eviction.unpin(self._dir, digest, owner)
+
+    def pins(self, digest: str) -> set[str]:
+        return eviction.pins(self._dir, digest)
+
+    def usage(self) -> int:
+        """Bytes used by all stored images (the number ``max_bytes`` is compared with)."""
+        return sum(r.size_bytes for _, r in self._dir.image_records())
+
+    def _get(
+        self, ref: ImageRef, *, refetch: bool, fetch: bool, timeout: float,
+        progress: Progress | None,
+    ) -> Image:
+        key = self._ref_key(ref)
+        if not refetch and (image := self._lookup(ref, key)) is not None:
+            return image
+        if not fetch:
+            raise ImageNotFoundError(f"{ref} is not in the image store (pull policy never)")
+        # cheap, and survives an operator wiping the store under a live process
+        self._dir.make_dirs()
+        deadline = time.monotonic() + timeout
+        with self._dir.locked(f"ref-{key}", deadline):
+            # Whoever held the lock before us may have just fetched it.
+            if not refetch and (image := self._lookup(ref, key)) is not None:
+                return image
+            image = self._fetch(ref, key, deadline, progress or (lambda _: None))
+        eviction.evict(self._dir, self.max_bytes, keep=image.digest)
+        return image
+
+    # -- lookups --------------------------------------------------------------------------
+
+    def _ref_key(self, ref: ImageRef) -> str:
+        return ref_key(str(ref), str(self.platform))
+
+    def _lookup(self, ref: ImageRef, key: str) -> Image | None:
+        record = self._dir.ref_record(key)
+        return None if record is None else self._dir.load(record.digest, ref=str(ref), touch=True)
+
+    def _resolve_local(self, ref_or_digest: str) -> tuple[str, ImageRef | None]:
+        """(digest, parsed reference) of a stored reference; (digest, None) for a digest."""
+        text = ref_or_digest.strip()
+        if re.fullmatch(r"(sha256:)?[0-9a-f]{64}", text):
+            return (text if text.startswith("sha256:") else f"sha256:{text}"), None
+        parsed = parse_reference(text)
+        record = self._dir.ref_record(self._ref_key(parsed))
+        if record is None:
+            raise ImageNotFoundError(f"{parsed} is not in the image store")
+        return record.digest, parsed
+
+    # -- fetching -------------------------------------------------------------------------
+
+    def _fetch(self, ref: ImageRef, key: str, deadline: float, progress: Progress) -> Image:
+        """Resolve, copy or build, verify, unpack and publish ``ref``; caller holds ref-<key>."""
+        resolved = None
+        if ref.transport is Transport.DOCKER:
+            progress(f"resolving {ref}")
+            resolved = self._resolve(ref, deadline)
+            known = self._dir.ref_record(key)
+            if known and known.source_digest == resolved.source_digest and (
+                image := self._dir.load(known.digest, ref=str(ref), touch=True)
+            ):
+                return image  # the tag did not move
+        try:
+            with self._dir.workdir(f"ref-{key}") as work:
+                layout = work / "oci"
+                self._materialize(ref, resolved, layout, work, deadline, progress)
+                digest = self._ingest(layout, work, deadline, progress)
+                record = _RefRecord(ref=str(ref), platform=str(self.platform), digest=digest,
+                                    source_digest=resolved.source_digest if resolved else None)
+                staged = work / "ref.json"
+                staged.write_text(record.model_dump_json())
+                os.replace(staged, self._dir.ref_file(key))
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StoreFullError(f"no space left in the image store {self.root}") from exc
+            raise
+        image = self._dir.load(digest, ref=str(ref), touch=True)
+        if image is None:
+            raise ImageNotFoundError(f"{ref} was removed while it was being pulled")
+        progress(f"ready {digest}")
+        return image
+
+    def _materialize(
+        self, ref: ImageRef, resolved: _Resolved | None, layout: Path, work: Path,
+        deadline: float, progress: Progress,
+    ) -> None:
+        """Put ``ref`` as ``layout:image``: build a local image or copy it with skopeo."""
+        if ref.transport is Transport.LOCAL:
+            builder = LOCAL_IMAGES.get(str(ref))
+            if builder is None:
+                raise ImageNotFoundError(f"no builder for {ref}; local images: "
+                                         f"{sorted(LOCAL_IMAGES)}")
+            progress(f"building {ref}")
+            builder(layout, _TAG, timeout=_remaining(deadline))
+            return
+        source = ref.source
+        if resolved is not None:
+            source = ref.at_digest(resolved.digest)  # exactly what was resolved
+            self._prelink(layout, resolved.blobs)
+        progress(f"copying {ref}")
+        self._skopeo.copy(source, f"oci:{layout}:{_TAG}", timeout=_remaining(deadline),
+                          src_tls_verify=not self._insecure(ref), tmpdir=work)
+
+    def _insecure(self, ref: ImageRef) -> bool:
+        host = ref.host or ""
+        return is_loopback(host) or ref.registry in self.insecure_registries \
+            or host in self.insecure_registries
+
+    def _resolve(self, ref: ImageRef, deadline: float) -> _Resolved:
+        """Read the tag's manifest (one request) and pick the manifest for our platform."""
+        tls = not self._insecure(ref)
+        raw = self._skopeo.inspect_raw(ref.source, timeout=_remaining(deadline), tls_verify=tls)
+        source_digest = _sha256(raw)
+        top = _parse_manifest(raw, ref)
+        if not top.is_index:
+            return _Resolved(source_digest, source_digest, _blob_digests(top))
+        for entry in top.manifests:
+            p = entry.platform or {}
+            if self.platform.matches(p.get("os", ""), p.get("architecture", ""), p.get("variant")):
+                raw = self._skopeo.inspect_raw(ref.at_digest(entry.digest),
+                                               timeout=_remaining(deadline), tls_verify=tls)
+                return _Resolved(source_digest, entry.digest,
+                                 _blob_digests(_parse_manifest(raw, ref)))
+        offered = sorted({_platform_label(*((e.platform or {}).get(k) for k in
+                                            ("os", "architecture", "variant")))
+                          for e in top.manifests})
+        raise PlatformNotFoundError(f"{ref} has no image for {self.platform}; it offers {offered}")
+
+    def _prelink(self, layout: Path, digests: list[str]) -> None:
+        """Hard-link blobs we already have into the new layout so skopeo skips downloading."""
+        target = layout / "blobs" / "sha256"
+        target.mkdir(parents=True, exist_ok=True)
+        for digest in digests:
+            try:
+                os.link(self._dir.blobs / _hex(digest), target / _hex(digest))
+            except (FileNotFoundError, FileExistsError, ImageReferenceError):
+                continue
+
+    def _ingest(self, layout: Path, work: Path, deadline: float, progress: Progress) -> str:
+        """Verify the single image in ``layout`` and publish it unless already stored."""
+        digest, config = _read_layout(layout)
+        if not self.platform.matches(config.os, config.architecture, config.variant):
+            found = _platform_label(config.os, config.architecture, config.variant)
+            raise PlatformNotFoundError(f"image is {found}, this store wants {self.platform}")
+        with self._dir.locked(f"img-{_hex(digest)}", deadline):
+            target = self._dir.image(digest)
+            if (target / "image.json").exists():
+                return digest
+            progress(f"unpacking {digest}")
+            bundle = work / "image"
+            self._umoci.unpack(f"{layout}:{_TAG}", bundle, timeout=_remaining(deadline))
+            for extra in bundle.iterdir():  # umoci's runtime config and repack metadata
+                if extra.name != "rootfs":
+                    extra.unlink()
+            layout.rename(bundle / "oci")
+            (bundle / "pins").mkdir()
+            (bundle / "used").touch()
+            record = _ImageRecord(digest=digest, config=config, size_bytes=_disk_usage(bundle),
+                                  created=time.time())
+            (bundle / "image.json").write_text(record.model_dump_json())
+            os.rename(bundle, target)
+            for blob in (target / "oci" / "blobs" / "sha256").iterdir():
+                try:
+                    os.link(blob, self._dir.blobs / blob.name)
+                except FileExistsError:
+                    continue
+        return digest
