@@ -302,7 +302,7 @@ def control(nodes: int, quick: bool, tmp: Path) -> list[dict]:
     import ray
     from ray.util.placement_group import placement_group, placement_group_table
 
-    from ray_sandbox.actor.host import _pg_gone, remove_pg
+    from ray_sandbox.actor.placement import pg_gone, remove_pg
 
     serial_n = 60 if quick else 200
     burst_n = 200 if quick else 1000
@@ -350,7 +350,7 @@ def control(nodes: int, quick: bool, tmp: Path) -> list[dict]:
                      "gcs_cpu_ms_per_reservation":
                          round((_cpu_seconds(gcs) - cpu0) / burst_n * 1000, 2)})
         try:
-            rows += _watch_cost(pgs, gcs, _pg_gone, placement_group_table)
+            rows += _watch_cost(pgs, gcs, pg_gone, placement_group_table)
         finally:
             for pg in pgs:
                 remove_pg(pg.id.hex())

@@ -70,7 +70,7 @@ def test_an_unplaceable_create_says_what_it_waits_for(ray_cluster, monkeypatch, 
     2-CPU laptop just hung). It now logs the shortfall while it waits, and a timeout names
     it."""
     monkeypatch.setenv("RAY_SANDBOX_WAIT_REPORT_S", "0.5")
-    with caplog.at_level("WARNING", logger="ray_sandbox.actor.api"):
+    with caplog.at_level("WARNING", logger="ray_sandbox.actor.placement"):
         with pytest.raises(sandbox.SandboxCreationError, match="no live node is big enough.*CPU"):
             sandbox.create(image="ray-sandbox/busybox", cpu=64, memory="64Mi", timeout=2)
     waits = [r.getMessage() for r in caplog.records if "waiting" in r.getMessage()]

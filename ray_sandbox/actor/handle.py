@@ -4,18 +4,17 @@
 returns an ObjectRefGenerator. File methods that name a *local* path (``upload_file``,
 ``download_file``, ``upload_dir``, ``download_dir``) read or write that path on the caller's
 node and move the bytes through Ray's object store in chunks, so sandboxes on other nodes work
-the same; they do the transfer during ``.remote()`` and return a ref to its completion.
+the same; they do the transfer (``transfer.py``) during ``.remote()`` and return a ref to its
+completion.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from pathlib import Path
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
-import ray
-
-from ..runtime import archive, hostfs
+from . import copies, transfer
 
 
 class _Method:
@@ -26,21 +25,6 @@ class _Method:
 
     def remote(self, *args: Any, **kwargs: Any) -> Any:
         return self._call(*args, **kwargs)
-
-
-def _chunk_refs(chunks: Iterable[bytes]) -> list[ray.ObjectRef]:
-    """Put a byte stream into the object store in ~4 MiB objects (caller memory stays
-    bounded by one chunk)."""
-    refs, buf, size = [], [], 0
-    for c in chunks:
-        buf.append(c)
-        size += len(c)
-        if size >= archive.TRANSFER_CHUNK:
-            refs.append(ray.put(b"".join(buf)))
-            buf, size = [], 0
-    if buf or not refs:
-        refs.append(ray.put(b"".join(buf)))
-    return refs
 
 
 class SandboxHandle:
@@ -152,9 +136,8 @@ class SandboxHandle:
              timeout: float | None = None) -> list[SandboxHandle]:
         """``k`` running copies, each with its own reservation (blocks until all are ready;
         see ``ray_sandbox.fork``)."""
-        from .api import fork
-
-        return fork(self, k, placement=placement, timeout=timeout)
+        return [SandboxHandle(**c._asdict()) for c in copies.fork(
+            self._host, self.sandbox_id, k, placement=placement, timeout=timeout)]
 
     # --- files inside the sandbox ----------------------------------------------------------
 
@@ -192,56 +175,27 @@ class SandboxHandle:
 
     # --- transfers between the caller's node and the sandbox -------------------------------
 
+    def _transfer(self, fn: Callable[..., Any]) -> _Method:
+        return _Method(partial(fn, self._host, self.sandbox_id))
+
     @property
     def upload_file(self) -> _Method:
         """``upload_file.remote(local_path, remote_path)``: the caller's file."""
-
-        def call(local: str | Path, remote: str) -> ray.ObjectRef:
-            mode = Path(local).stat().st_mode & 0o7777
-            with open(local, "rb") as f:
-                refs = _chunk_refs(iter(lambda: f.read(archive.TRANSFER_CHUNK), b""))
-            return self._host.write_from_refs.remote(self.sandbox_id, remote, refs, mode)
-
-        return _Method(call)
+        return self._transfer(transfer.upload_file)
 
     @property
     def download_file(self) -> _Method:
         """``download_file.remote(remote_path, local_path, max_bytes=1 GiB)``: written on
         the caller's node, atomically and never through a link (``hostfs.write_atomic``),
         with the file's permission bits (never setuid/setgid)."""
-
-        def call(remote: str, local: str | Path, *,
-                 max_bytes: int | None = hostfs.DOWNLOAD_MAX) -> ray.ObjectRef:
-            info = ray.get(self._host.file_op.remote(self.sandbox_id, "stat", remote,
-                                                     follow_symlinks=True))
-            gen = self._host.read_stream.options(num_returns="streaming").remote(
-                self.sandbox_id, remote, max_bytes)
-            chunks = hostfs.bounded((ray.get(ref) for ref in gen), max_bytes, remote,
-                                    self.sandbox_id)
-            hostfs.write_atomic(local, chunks, info.mode)
-            return ray.put(None)
-
-        return _Method(call)
+        return self._transfer(transfer.download_file)
 
     @property
     def upload_dir(self) -> _Method:
         """``upload_dir.remote(local_dir, remote_dir)`` (modes, symlinks, empty dirs kept)."""
-
-        def call(local: str | Path, remote: str) -> ray.ObjectRef:
-            refs = _chunk_refs(archive.pack_local(Path(local)))
-            return self._host.put_archive_from_refs.remote(self.sandbox_id, remote, refs)
-
-        return _Method(call)
+        return self._transfer(transfer.upload_dir)
 
     @property
     def download_dir(self) -> _Method:
         """``download_dir.remote(remote_dir, local_dir)``; nothing lands outside local_dir."""
-
-        def call(remote: str, local: str | Path) -> ray.ObjectRef:
-            gen = self._host.archive_stream.options(num_returns="streaming").remote(
-                self.sandbox_id, remote
-            )
-            archive.extract_local((ray.get(ref) for ref in gen), Path(local))
-            return ray.put(None)
-
-        return _Method(call)
+        return self._transfer(transfer.download_dir)

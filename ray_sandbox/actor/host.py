@@ -9,27 +9,24 @@ sandbox is deleted, and when a sandbox ends (delete, TTL) its placement group is
 A host with nothing left to run (no sandbox, no create in flight, no snapshot it owns) retires
 after ``RAY_SANDBOX_HOST_IDLE_S`` seconds (default 60): Ray counts a node with a live actor as
 busy, even a zero-CPU one, so a host that stayed would keep the autoscaler from ever removing
-its node. Callers that reach a retiring or retired host start a fresh one (``call_host``).
+its node. Callers that reach a retiring or retired host start a fresh one
+(``hosts.call_host``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..runtime import SandboxRuntime
 from ..runtime.agent.client import AgentProcess
-from ..runtime.archive import TRANSFER_CHUNK
 from ..runtime.config import SandboxConfig
 from ..runtime.errors import (
     HostRetiringError,
@@ -40,19 +37,16 @@ from ..runtime.errors import (
 from ..runtime.results import ExecResult, SandboxState, SandboxStatus
 from ..runtime.snapshot import Snapshot, SnapshotDir
 from . import metrics
+from .placement import PG_LABEL, bundle_label, pg_gone, release_reaped, remove_pg
+from .transfer import SnapshotImports, fetch, rechunk
 
 NAMESPACE = "ray_sandbox"
-PG_LABEL = "ray-sandbox/placement-group"
 NAME_LABEL = "ray-sandbox/name"
-BUNDLE_LABEL = "ray-sandbox/bundle"  # snapshot label: the source's Ray reservation (JSON)
 SUSPENDED_LABEL = "ray-sandbox/suspended"  # snapshot label: id of the sandbox it suspends
 _WATCH_INTERVAL = 1.0
 _PG_SWEEP = 60.0
-_CALL_ATTEMPTS = 8  # a host retiring while called: try a fresh one, ~5 s in all
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-
 
 
 def _idle_limit() -> float:
@@ -64,16 +58,9 @@ def _idle_limit() -> float:
         return 60.0
 
 
-def _pg(pg_hex: str) -> PlacementGroup:
-    return PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_hex)))
-
-
-def _pg_gone(pg_hex: str) -> bool:
-    try:
-        info = placement_group_table(_pg(pg_hex))
-    except Exception:  # noqa: BLE001 - GCS hiccup: assume alive, retry next round
-        return False
-    return not info or info.get("state") == "REMOVED"
+def current_job() -> str:
+    """The calling job: its sandboxes die with it, like its placement groups."""
+    return ray.get_runtime_context().get_job_id()
 
 
 def _dead_jobs() -> set[str]:
@@ -83,13 +70,6 @@ def _dead_jobs() -> set[str]:
         return {j["JobID"] for j in ray._private.state.jobs() if j.get("IsDead")}
     except Exception:  # noqa: BLE001 - GCS hiccup: nothing is dead this round
         return set()
-
-
-def remove_pg(pg_hex: str) -> None:
-    try:
-        remove_placement_group(_pg(pg_hex))
-    except Exception:  # noqa: BLE001 - already gone
-        pass
 
 
 class SandboxHost:
@@ -102,32 +82,15 @@ class SandboxHost:
         self._pgs: dict[str, str] = {}
         self._jobs: dict[str, str] = {}  # sandbox id -> owning job id (absent: detached)
         self._procs: dict[str, AgentProcess] = {}
-        self._fetching: dict[str, threading.Lock] = {}
+        self._imports = SnapshotImports(self._rt, self.node_id)
         self._inflight = 0
         self._closing = False
         self._retiring = False
         self._idle_since = time.monotonic()
         self._idle_limit = _idle_limit()
         self._idle = threading.Condition(self._lock)
-        self._reap_previous()
+        release_reaped(self._rt)  # a restarted host: the dead incarnation's sandboxes
         threading.Thread(target=self._watch, name="ray-sandbox-pg-watch", daemon=True).start()
-
-    def _reap_previous(self) -> None:
-        """A restarted host: sandboxes of the dead incarnation are deleted and their
-        reservations released."""
-        stale_pgs = []
-        for sid in self._rt.list(all=True):
-            try:
-                rec = self._rt.record(sid)
-            except SandboxError:
-                continue
-            pg_hex = rec.config.get("labels", {}).get(PG_LABEL)
-            if pg_hex:
-                stale_pgs.append((sid, pg_hex))
-        removed = set(self._rt.gc())
-        for sid, pg_hex in stale_pgs:
-            if sid in removed:
-                remove_pg(pg_hex)
 
     def ping(self) -> str:
         return self.node_id
@@ -140,16 +103,15 @@ class SandboxHost:
         if name:
             labels[NAME_LABEL] = name
         t0 = time.perf_counter()
-        with self._admitted(pg_hex):
-            sid = self._rt.create(config.model_copy(update={"labels": labels}), detach=False)
-            self._adopt(sid, pg_hex, None if detached else owner_job)
+        sid = self._start(pg_hex, None if detached else owner_job, lambda: self._rt.create(
+            config.model_copy(update={"labels": labels}), detach=False))
         metrics.observe_create(time.perf_counter() - t0)
         return sid
 
-    @contextlib.contextmanager
-    def _admitted(self, pg_hex: str) -> Iterator[None]:
-        """Counts a create/restore in flight so ``shutdown`` can wait for it; refuses new ones
-        once shutting down. The reservation is released if the sandbox never comes up."""
+    def _start(self, pg_hex: str, owner_job: str | None, start: Callable[[], str]) -> str:
+        """``start()`` a sandbox under the reservation ``pg_hex`` and adopt it. Counted in
+        flight so ``shutdown`` can wait for it; refused once shutting down. The reservation
+        is released if the sandbox never comes up."""
         with self._lock:
             if self._retiring:  # the caller keeps its reservation and asks a fresh host
                 raise HostRetiringError(f"the sandbox host on {self.node_id} is retiring")
@@ -158,7 +120,14 @@ class SandboxHost:
                 raise SandboxStateError(f"the sandbox host on {self.node_id} is shutting down")
             self._inflight += 1
         try:
-            yield
+            sid = start()
+            with self._lock:
+                self._pgs[sid] = pg_hex
+                if owner_job:
+                    self._jobs[sid] = owner_job
+                n = len(self._pgs)
+            metrics.set_live(self.node_id, n)
+            return sid
         except BaseException:
             remove_pg(pg_hex)
             raise
@@ -166,14 +135,6 @@ class SandboxHost:
             with self._lock:
                 self._inflight -= 1
                 self._idle.notify_all()
-
-    def _adopt(self, sid: str, pg_hex: str, owner_job: str | None) -> None:
-        with self._lock:
-            self._pgs[sid] = pg_hex
-            if owner_job:
-                self._jobs[sid] = owner_job
-            n = len(self._pgs)
-        metrics.set_live(self.node_id, n)
 
     def delete(self, sandbox_id: str) -> None:
         try:
@@ -228,7 +189,7 @@ class SandboxHost:
                         self._pgs.pop(sid, None)
                         self._jobs.pop(sid, None)
                     remove_pg(pg_hex)
-                elif jobs.get(sid) in dead_jobs or (sweep and _pg_gone(pg_hex)):
+                elif jobs.get(sid) in dead_jobs or (sweep and pg_gone(pg_hex)):
                     log.info("the owner of %s is gone; deleting the sandbox", sid)
                     try:
                         self.delete(sid)
@@ -277,12 +238,7 @@ class SandboxHost:
         reserve the same. Owned by this host unless ``detach``."""
         with self._lock:
             pg_hex = self._pgs.get(sandbox_id)
-        extra = dict(labels or {})
-        if pg_hex:
-            info = placement_group_table(_pg(pg_hex)) or {}
-            bundles = info.get("bundles") or {}
-            if bundles:
-                extra[BUNDLE_LABEL] = json.dumps(next(iter(bundles.values())))
+        extra = {**(labels or {}), **(bundle_label(pg_hex) if pg_hex else {})}
         snap = self._rt.snapshot(sandbox_id, labels=extra, detach=detach)
         snap = snap.model_copy(update={"node_id": self.node_id})
         SnapshotDir(self._rt.snapshots_dir / snap.snapshot_id).write(snap)
@@ -292,32 +248,18 @@ class SandboxHost:
                 sandbox_id: str | None = None, owner_job: str | None = None) -> str:
         """One copy of ``snapshot`` under the reservation ``pg_hex`` (fetched from the node
         that holds it first, if that is another node)."""
-        with self._admitted(pg_hex):
-            self._ensure_local(snapshot)
+
+        def start() -> str:
+            self._imports.ensure_local(snapshot, start_host)
             labels = {k: v for k, v in snapshot.config.get("labels", {}).items()
                       if k not in (PG_LABEL, NAME_LABEL)}
             labels[PG_LABEL] = pg_hex
             if name:
                 labels[NAME_LABEL] = name
             ids = [sandbox_id] if sandbox_id else None
-            sid = self._rt.restore(snapshot, 1, labels=labels, sandbox_ids=ids)[0]
-            self._adopt(sid, pg_hex, owner_job)
-        return sid
+            return self._rt.restore(snapshot, 1, labels=labels, sandbox_ids=ids)[0]
 
-    def _ensure_local(self, snap: Snapshot) -> None:
-        """Copy a snapshot held by another node into this node's store (once; the copy is
-        owned by this host and deleted with the snapshot)."""
-        if snap.node_id in (None, self.node_id):
-            return
-        with self._lock:
-            lock = self._fetching.setdefault(snap.snapshot_id, threading.Lock())
-        with lock:
-            if self._rt.has_snapshot(snap.snapshot_id):
-                return
-            source = host_for_node(snap.node_id)
-            gen = source.snapshot_stream.options(num_returns="streaming").remote(
-                snap.snapshot_id)
-            self._rt.import_snapshot(ray.get(ref) for ref in gen)
+        return self._start(pg_hex, owner_job, start)
 
     def snapshot_stream(self, snapshot_id: str) -> Iterator[bytes]:
         """The snapshot's files as a tar stream (for a restore on another node)."""
@@ -325,9 +267,6 @@ class SandboxHost:
 
     def delete_snapshot(self, snapshot_id: str) -> None:
         self._rt.delete_snapshot(snapshot_id)
-
-    def snapshot_size(self, snapshot_id: str) -> int:
-        return self._rt.get_snapshot(snapshot_id).size_bytes
 
     def suspend(self, sandbox_id: str) -> Snapshot:
         """Checkpoint to disk, delete the sandbox, release its reservation. The snapshot
@@ -357,10 +296,6 @@ class SandboxHost:
             except SandboxError:
                 continue
         return out
-
-    def find(self, name: str) -> str | None:
-        ids = self._rt.list(labels={NAME_LABEL: name})
-        return ids[0] if ids else None
 
     def set_egress(self, sandbox_id: str, policy: Any) -> None:
         self._rt.set_egress(sandbox_id, policy)
@@ -422,126 +357,38 @@ class SandboxHost:
     def write_from_refs(self, sandbox_id: str, path: str, refs: list[ray.ObjectRef],
                         mode: int) -> None:
         """Write a file whose bytes arrive as object refs (fetched one at a time)."""
-        self._rt.write_file(sandbox_id, path, _fetch(refs), mode=mode)
+        self._rt.write_file(sandbox_id, path, fetch(refs), mode=mode)
 
     def put_archive_from_refs(self, sandbox_id: str, remote_dir: str,
                               refs: list[ray.ObjectRef]) -> None:
-        self._rt.put_archive(sandbox_id, remote_dir, _fetch(refs))
+        self._rt.put_archive(sandbox_id, remote_dir, fetch(refs))
 
     def read_stream(self, sandbox_id: str, path: str,
                     max_bytes: int | None = None) -> Iterator[bytes]:
         """The file in ~4 MiB objects; bounded here too, since Ray runs a streaming
         generator to its end whether or not the caller still reads."""
-        yield from _rechunk(self._rt.iter_read(sandbox_id, path, max_bytes=max_bytes))
+        yield from rechunk(self._rt.iter_read(sandbox_id, path, max_bytes=max_bytes))
 
     def archive_stream(self, sandbox_id: str, remote_dir: str) -> Iterator[bytes]:
-        yield from _rechunk(self._rt.get_archive(sandbox_id, remote_dir))
-
-
-def _fetch(refs: list[ray.ObjectRef]) -> Iterator[bytes]:
-    for ref in refs:
-        yield ray.get(ref)
-
-
-def _rechunk(chunks: Iterator[bytes]) -> Iterator[bytes]:
-    """Coalesce small pieces so each yielded object is ~4 MiB (fewer Ray objects)."""
-    buf: list[bytes] = []
-    size = 0
-    for c in chunks:
-        buf.append(c)
-        size += len(c)
-        if size >= TRANSFER_CHUNK:
-            yield b"".join(buf)
-            buf, size = [], 0
-    if buf:
-        yield b"".join(buf)
+        yield from rechunk(self._rt.get_archive(sandbox_id, remote_dir))
 
 
 _RemoteHost = ray.remote(SandboxHost)
-_host_lock = threading.Lock()
-_hosts: dict[str, Any] = {}
 
 
-def host_for_node(node_id: str, *, home: str | None = None, fresh: bool = False) -> Any:
-    """The host actor of ``node_id``, started there if it does not exist yet (``fresh``:
-    look it up again instead of trusting this process's cached handle)."""
-    with _host_lock:
-        if node_id in _hosts and not fresh:
-            return _hosts[node_id]
-        handle = _RemoteHost.options(
-            name=f"host-{node_id}",
-            namespace=NAMESPACE,
-            get_if_exists=True,
-            lifetime="detached",
-            num_cpus=0,
-            max_concurrency=1024,
-            max_restarts=-1,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        ).remote(home)
-        _hosts[node_id] = handle
-        return handle
+def start_host(node_id: str, home: str | None = None) -> Any:
+    """The host actor of ``node_id``, started there if it does not exist yet."""
+    return _RemoteHost.options(
+        name=f"host-{node_id}",
+        namespace=NAMESPACE,
+        get_if_exists=True,
+        lifetime="detached",
+        num_cpus=0,
+        max_concurrency=1024,
+        max_restarts=-1,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+    ).remote(home)
 
 
-def call_host(node_id: str, call: Callable[[Any], ray.ObjectRef], pg_hex: str) -> tuple[Any, Any]:
-    """``ray.get(call(host))`` on the host of ``node_id``, which holds the reservation
-    ``pg_hex``; returns (host, result). A host that is retiring, or that retired after this
-    process cached its handle, is replaced by a fresh one and the call repeated. On any
-    other failure the reservation is released (the host releases it itself when the call
-    reached it; this covers a host that died) and the error raised."""
-    delay = 0.05
-    for attempt in range(_CALL_ATTEMPTS):
-        host = host_for_node(node_id, fresh=attempt > 0)
-        try:
-            return host, ray.get(call(host))
-        except (HostRetiringError, ray.exceptions.ActorDiedError) as exc:
-            # A dead host on a live node retired (a crashed one restarts instead).
-            retry = isinstance(exc, HostRetiringError) or node_alive(node_id)
-            if not retry or attempt == _CALL_ATTEMPTS - 1:
-                remove_pg(pg_hex)
-                raise
-            time.sleep(delay)
-            delay = min(delay * 2, 1.0)
-        except BaseException:
-            remove_pg(pg_hex)
-            raise
-    raise AssertionError("unreachable")
-
-
-def node_alive(node_id: str) -> bool:
-    return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
-
-
-def ask_hosts(method: str, *args: Any, timeout: float = 60.0) -> list[tuple[Any, Any]]:
-    """``method(*args)`` on every host, concurrently; (host, result) for each that answered.
-    Hosts that are dead or unreachable (their node died, they retired) are skipped."""
-    hosts = all_hosts()
-    refs = [getattr(h, method).remote(*args) for h in hosts]
-    out = []
-    deadline = time.monotonic() + timeout
-    for h, ref in zip(hosts, refs, strict=True):
-        try:
-            out.append((h, ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))))
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
-            log.info("a sandbox host did not answer %s: %s", method, type(exc).__name__)
-    return out
-
-
-def all_hosts() -> list[Any]:
-    """Host actors of every node that has one."""
-    out = []
-    for info in ray.util.list_named_actors(all_namespaces=True):
-        if info.get("namespace") == NAMESPACE and info.get("name", "").startswith("host-"):
-            try:
-                out.append(ray.get_actor(info["name"], namespace=NAMESPACE))
-            except ValueError:
-                continue
-    return out
-
-
-def forget_hosts() -> None:
-    with _host_lock:
-        _hosts.clear()
-
-
-__all__ = ["SandboxHost", "HostRetiringError", "NAMESPACE", "all_hosts", "ask_hosts",
-           "call_host", "host_for_node", "node_alive", "remove_pg"]
+__all__ = ["NAME_LABEL", "NAMESPACE", "SUSPENDED_LABEL", "SandboxHost", "current_job",
+           "start_host"]

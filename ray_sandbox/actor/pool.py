@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import ray
@@ -195,8 +196,6 @@ class SandboxPool:
             concurrency: int = 8) -> Iterator[R]:
         """``fn(sandbox, item)`` for each item (in order), each in its own pooled sandbox,
         ``concurrency`` at a time (threads on the caller)."""
-        from concurrent.futures import ThreadPoolExecutor
-
         def one(item: T) -> R:
             sb = self.acquire()
             try:

@@ -1,0 +1,104 @@
+"""New sandboxes from snapshots: ``restore`` copies, ``fork`` a running sandbox, ``resume``
+a suspended one. Each copy holds its own Ray reservation, the source's resources.
+
+Copies come back as :class:`Copy` (id, host, node), not handles, so that the handle module can
+fork through this one.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple
+
+import ray
+
+from ..runtime.errors import ConfigError, SandboxNotFoundError
+from ..runtime.snapshot import Snapshot
+from .host import NAME_LABEL, SUSPENDED_LABEL, current_job
+from .hosts import ask_hosts, call_host
+from .placement import Placement, copy_bundle, copy_node, remove_pg, reserve
+
+
+class Copy(NamedTuple):
+    sandbox_id: str
+    host: Any
+    node_id: str
+    name: str | None = None
+
+
+def _restore_on(node: str, pg_hex: str, snapshot: Snapshot, name: str | None = None,
+                sandbox_id: str | None = None) -> Copy:
+    """One copy on ``node`` under the reservation ``pg_hex`` (released if it fails)."""
+    job = current_job()
+    host, sid = call_host(node, lambda h: h.restore.remote(
+        snapshot, pg_hex, name, sandbox_id, owner_job=job), pg_hex)
+    return Copy(sid, host, node, name)
+
+
+def restore(snapshot: Snapshot, k: int = 1, *, placement: Placement = "local",
+            timeout: float | None = None) -> list[Copy]:
+    """``k`` copies of ``snapshot``, all or nothing: if one fails, the others are deleted
+    and the error raised."""
+    if k < 1:
+        raise ConfigError(f"k must be at least 1, got {k}")
+    bundle = copy_bundle(snapshot)
+    node_id = copy_node(snapshot, placement)
+    copies: list[Copy] = []
+    reserved: list[tuple[str, str]] = []
+    try:
+        for _ in range(k):
+            reserved.append(reserve(bundle, node_id=node_id, timeout=timeout))
+        # from here each copy's reservation is released by call_host if the copy fails
+        work, reserved = reserved, []
+        with ThreadPoolExecutor(max_workers=min(k, 32)) as ex:
+            futures = [ex.submit(_restore_on, node, pg_hex, snapshot) for pg_hex, node in work]
+        errors = []
+        for f in futures:
+            try:
+                copies.append(f.result())
+            except Exception as exc:  # noqa: BLE001 - re-raised below
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+    except BaseException:
+        for pg_hex, _ in reserved:
+            remove_pg(pg_hex)
+        if copies:
+            ray.get([c.host.delete.remote(c.sandbox_id) for c in copies])
+        raise
+    return copies
+
+
+def fork(host: Any, sandbox_id: str, k: int = 1, *, placement: Placement = "local",
+         timeout: float | None = None) -> list[Copy]:
+    """``k`` running copies of a sandbox on ``host`` (snapshot + :func:`restore`; the
+    snapshot is deleted afterwards)."""
+    snap = ray.get(host.snapshot.remote(sandbox_id))
+    try:
+        return restore(snap, k, placement=placement, timeout=timeout)
+    finally:
+        delete_snapshot(snap)
+
+
+def resume(key: str, *, placement: Placement = "any", timeout: float | None = None) -> Copy:
+    """The suspended sandbox with id or name ``key``, restored under its old id and name
+    with a new reservation; its snapshot is deleted."""
+    snap = _find_suspended(key)
+    name = snap.labels.get(NAME_LABEL)
+    pg_hex, node = reserve(copy_bundle(snap), node_id=copy_node(snap, placement), name=name,
+                           timeout=timeout)
+    copy = _restore_on(node, pg_hex, snap, name, snap.labels[SUSPENDED_LABEL])
+    delete_snapshot(snap)
+    return copy
+
+
+def _find_suspended(key: str) -> Snapshot:
+    for _, snap in ask_hosts("find_suspended", key):
+        if snap is not None:
+            return snap
+    raise SandboxNotFoundError(f"no suspended sandbox {key!r}")
+
+
+def delete_snapshot(snapshot: Snapshot) -> None:
+    """Delete a snapshot from its node and every copy fetched to other nodes. Idempotent."""
+    ask_hosts("delete_snapshot", snapshot.snapshot_id)

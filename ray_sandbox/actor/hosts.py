@@ -1,0 +1,91 @@
+"""Finding the host actors from a caller: the one of a node (started there on first use and
+cached in this process), all of them, and calling them when some retire or die."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+from ..runtime.errors import HostRetiringError
+from .host import NAMESPACE, start_host
+from .placement import node_alive, remove_pg
+
+_CALL_ATTEMPTS = 8  # a host retiring while called: try a fresh one, ~5 s in all
+
+log = logging.getLogger(__name__)
+
+_host_lock = threading.Lock()
+_hosts: dict[str, Any] = {}
+
+
+def host_for_node(node_id: str, *, home: str | None = None, fresh: bool = False) -> Any:
+    """The host actor of ``node_id``, started there if it does not exist yet (``fresh``:
+    look it up again instead of trusting this process's cached handle)."""
+    with _host_lock:
+        if node_id in _hosts and not fresh:
+            return _hosts[node_id]
+        handle = start_host(node_id, home)
+        _hosts[node_id] = handle
+        return handle
+
+
+def forget_hosts() -> None:
+    with _host_lock:
+        _hosts.clear()
+
+
+def call_host(node_id: str, call: Callable[[Any], ray.ObjectRef], pg_hex: str) -> tuple[Any, Any]:
+    """``ray.get(call(host))`` on the host of ``node_id``, which holds the reservation
+    ``pg_hex``; returns (host, result). A host that is retiring, or that retired after this
+    process cached its handle, is replaced by a fresh one and the call repeated. On any
+    other failure the reservation is released (the host releases it itself when the call
+    reached it; this covers a host that died) and the error raised."""
+    delay = 0.05
+    for attempt in range(_CALL_ATTEMPTS):
+        host = host_for_node(node_id, fresh=attempt > 0)
+        try:
+            return host, ray.get(call(host))
+        except (HostRetiringError, ray.exceptions.ActorDiedError) as exc:
+            # A dead host on a live node retired (a crashed one restarts instead).
+            retry = isinstance(exc, HostRetiringError) or node_alive(node_id)
+            if not retry or attempt == _CALL_ATTEMPTS - 1:
+                remove_pg(pg_hex)
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+        except BaseException:
+            remove_pg(pg_hex)
+            raise
+    raise AssertionError("unreachable")
+
+
+def all_hosts() -> list[Any]:
+    """Host actors of every node that has one."""
+    out = []
+    for info in ray.util.list_named_actors(all_namespaces=True):
+        if info.get("namespace") == NAMESPACE and info.get("name", "").startswith("host-"):
+            try:
+                out.append(ray.get_actor(info["name"], namespace=NAMESPACE))
+            except ValueError:
+                continue
+    return out
+
+
+def ask_hosts(method: str, *args: Any, timeout: float = 60.0) -> list[tuple[Any, Any]]:
+    """``method(*args)`` on every host, concurrently; (host, result) for each that answered.
+    Hosts that are dead or unreachable (their node died, they retired) are skipped."""
+    hosts = all_hosts()
+    refs = [getattr(h, method).remote(*args) for h in hosts]
+    out = []
+    deadline = time.monotonic() + timeout
+    for h, ref in zip(hosts, refs, strict=True):
+        try:
+            out.append((h, ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))))
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+            log.info("a sandbox host did not answer %s: %s", method, type(exc).__name__)
+    return out

@@ -1,0 +1,98 @@
+"""Bytes through Ray's object store in ~4 MiB objects: files and directories between the
+caller's node and a sandbox's host, and snapshots between hosts. Memory on either side stays
+bounded by a chunk, and a sandbox on another node works the same as a local one."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from ..runtime import SandboxRuntime, archive, hostfs
+from ..runtime.snapshot import Snapshot
+
+
+def rechunk(chunks: Iterable[bytes]) -> Iterator[bytes]:
+    """Coalesce small pieces so each yielded object is ~4 MiB (fewer Ray objects)."""
+    buf: list[bytes] = []
+    size = 0
+    for c in chunks:
+        buf.append(c)
+        size += len(c)
+        if size >= archive.TRANSFER_CHUNK:
+            yield b"".join(buf)
+            buf, size = [], 0
+    if buf:
+        yield b"".join(buf)
+
+
+def fetch(refs: Iterable[ray.ObjectRef]) -> Iterator[bytes]:
+    """The bytes behind ``refs`` (a list or a streaming generator), one object at a time."""
+    for ref in refs:
+        yield ray.get(ref)
+
+
+def _put(chunks: Iterable[bytes]) -> list[ray.ObjectRef]:
+    # An empty stream still sends one (empty) object: the host then writes an empty file.
+    return [ray.put(c) for c in rechunk(chunks)] or [ray.put(b"")]
+
+
+# --- the caller's side of SandboxHandle's local-path methods (done during ``.remote()``) ----
+
+def upload_file(host: Any, sandbox_id: str, local: str | Path, remote: str) -> ray.ObjectRef:
+    mode = Path(local).stat().st_mode & 0o7777
+    with open(local, "rb") as f:
+        refs = _put(iter(lambda: f.read(archive.TRANSFER_CHUNK), b""))
+    return host.write_from_refs.remote(sandbox_id, remote, refs, mode)
+
+
+def download_file(host: Any, sandbox_id: str, remote: str, local: str | Path, *,
+                  max_bytes: int | None = hostfs.DOWNLOAD_MAX) -> ray.ObjectRef:
+    info = ray.get(host.file_op.remote(sandbox_id, "stat", remote, follow_symlinks=True))
+    gen = host.read_stream.options(num_returns="streaming").remote(sandbox_id, remote,
+                                                                  max_bytes)
+    chunks = hostfs.bounded(fetch(gen), max_bytes, remote, sandbox_id)
+    hostfs.write_atomic(local, chunks, info.mode)
+    return ray.put(None)
+
+
+def upload_dir(host: Any, sandbox_id: str, local: str | Path, remote: str) -> ray.ObjectRef:
+    refs = _put(archive.pack_local(Path(local)))
+    return host.put_archive_from_refs.remote(sandbox_id, remote, refs)
+
+
+def download_dir(host: Any, sandbox_id: str, remote: str, local: str | Path) -> ray.ObjectRef:
+    gen = host.archive_stream.options(num_returns="streaming").remote(sandbox_id, remote)
+    archive.extract_local(fetch(gen), Path(local))
+    return ray.put(None)
+
+
+# --- snapshots between hosts ---------------------------------------------------------------
+
+class SnapshotImports:
+    """Copies snapshots held by other nodes into this node's store, once each (the copy is
+    owned by this host and deleted with the snapshot): k copies restored here at once wait
+    for one fetch."""
+
+    def __init__(self, rt: SandboxRuntime, node_id: str) -> None:
+        self._rt = rt
+        self._node_id = node_id
+        self._lock = threading.Lock()
+        self._fetching: dict[str, threading.Lock] = {}
+
+    def ensure_local(self, snap: Snapshot, host_of: Callable[[str], Any]) -> None:
+        """``host_of(node_id)`` is the host actor that streams the snapshot's files."""
+        if snap.node_id in (None, self._node_id):
+            return
+        with self._lock:
+            lock = self._fetching.setdefault(snap.snapshot_id, threading.Lock())
+        with lock:
+            if self._rt.has_snapshot(snap.snapshot_id):
+                return
+            source = host_of(snap.node_id)
+            gen = source.snapshot_stream.options(num_returns="streaming").remote(
+                snap.snapshot_id)
+            self._rt.import_snapshot(fetch(gen))
