@@ -202,7 +202,8 @@ async def main(image: str, work: Path) -> None:
     (work / "env").mkdir()
     env = RaySandboxEnvironment(
         environment_dir=work / "env", environment_name="t", session_id="t__contract__env",
-        trial_paths=paths, task_env_config=EnvironmentConfig(docker_image=image, workdir="/w"))
+        trial_paths=paths, task_env_config=EnvironmentConfig(docker_image=image, workdir="/w"),
+        sandbox={"pids_limit": 256})
     chunks = []
 
     async def collect(text, stream):
@@ -210,6 +211,8 @@ async def main(image: str, work: Path) -> None:
 
     await env.start(force_build=False)
     try:
+        sid = env._require().sandbox_id
+        pids_max = Path(f"/sys/fs/cgroup/pids/{sid}/pids.max").read_text().strip()
         out = {"exec": await env.exec("echo $FOO; pwd; id -u; exit 3", env={"FOO": "bar"},
                                       user="nobody"),
                "timeout": await env.exec("echo started; sleep 60", timeout_sec=1)}
@@ -222,6 +225,7 @@ async def main(image: str, work: Path) -> None:
         out = {k: v.model_dump() for k, v in out.items()}
         out["chunks"] = chunks
         out["mode"] = oct((work / "back/tool.sh").stat().st_mode & 0o7777)
+        out["pids_max"] = pids_max
     finally:
         await env.stop(delete=True)
     print("RESULT " + json.dumps(out))
@@ -245,3 +249,24 @@ def test_exec_and_file_contract(pushed_busybox: str) -> None:
         assert seen["streamed"] == {"stdout": "one\n", "stderr": "two\n", "return_code": 0}
         assert sorted(map(tuple, seen["chunks"])) == [("stderr", "two\n"), ("stdout", "one\n")]
         assert seen["mode"] == "0o750"
+        # A SandboxConfig field given as the `sandbox` option reached the sandbox.
+        assert seen["pids_max"] == "256"
+
+
+OPTIONS = """
+import sys
+from ray_sandbox.harbor import RaySandboxEnvironment
+for sandbox in ({"nope": 1}, {"image": "busybox"}):
+    try:
+        RaySandboxEnvironment.parse_options({"sandbox": sandbox})
+    except Exception as exc:
+        print(" ".join(str(exc).split()))
+"""
+
+
+def test_a_bad_sandbox_option_fails_naming_it() -> None:
+    out = subprocess.run([str(HARBOR.parent / "python"), "-c", OPTIONS], capture_output=True,
+                         text=True, check=True, timeout=120).stdout
+    unknown, owned = out.splitlines()
+    assert "unknown sandbox option(s) nope" in unknown
+    assert "sandbox option(s) image come from the task" in owned

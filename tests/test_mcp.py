@@ -26,6 +26,7 @@ from typer.testing import CliRunner
 from ray_sandbox.cli.mcp import app as mcp_cli
 from ray_sandbox.mcp import MCPServerConfig, SandboxMCPServer
 from ray_sandbox.runtime import ImageStore, SandboxRuntime
+from tests.fx_hostile import cgroup_value
 from tests.fx_images import scratch_dir
 
 TOOLS = {"run_python", "run_shell", "read_file", "write_file", "list_dir", "reset_sandbox"}
@@ -217,6 +218,23 @@ def test_stdio_subprocess_calls_every_tool(launcher: list[str], server_env: dict
     run(main)
 
 
+def test_serve_takes_any_sandbox_option(server_env: dict[str, str], rt_home: Path,
+                                        runtime: SandboxRuntime) -> None:
+    """Options without a flag of their own reach every session's sandbox through --opt."""
+    params = StdioServerParameters(command=sys.executable, env=server_env, args=[
+        "-m", "ray_sandbox.mcp", "serve", "--opt", "pids_limit=256",
+        "--opt", 'capabilities=["CAP_KILL"]'])
+
+    async def main() -> None:
+        async with Client(params) as client:
+            shell = await call(client, "run_shell", command="grep CapEff /proc/self/status")
+            assert shell["stdout"] == f"CapEff:\t{1 << 5:016x}\n"  # CAP_KILL alone
+            (sid,) = sandbox_dirs(rt_home)
+            assert cgroup_value("pids", sid, "pids.max") == "256"
+
+    run(main)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -374,3 +392,12 @@ def test_cli_rejects_bad_settings() -> None:
                  ["--network", "none", "--egress", '{"default": "deny"}']):
         result = runner.invoke(mcp_cli, ["serve", *args], env={"RAY_SANDBOX_MCP_TOKEN": ""})
         assert result.exit_code == 2, (args, result.output)
+    for args, message in (
+        (["--opt", "nope=1"], "unknown sandbox option 'nope'"),
+        (["--opt", "pids_limit=12"], "pids_limit: "),
+        (["--image", "ray-sandbox/busybox", "--opt", "image=x"],
+         "image set both by a flag and by --opt"),
+    ):
+        result = runner.invoke(mcp_cli, ["serve", *args])
+        assert result.exit_code == 2, (args, result.output)
+        assert message in " ".join(result.stderr.split()), result.stderr

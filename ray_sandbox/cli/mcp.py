@@ -1,7 +1,8 @@
 """``ray-sandbox mcp serve``: the MCP server (mounted as ``ray-sandbox mcp``).
 
 Settings come from, lowest first: the defaults of MCPServerConfig, a JSON ``--config`` file
-(MCPServerConfig's fields), ``RAY_SANDBOX_MCP_*`` environment variables, and flags.
+(MCPServerConfig's fields), ``RAY_SANDBOX_MCP_*`` environment variables, and flags. Any option
+of the sessions' sandbox is also an ``--opt KEY=VALUE``, as in ``ray-sandbox run``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,10 @@ from typing import Annotated, Any
 import typer
 from pydantic import ValidationError
 from rich.console import Console
+from rich.markup import escape
+
+from ..runtime.errors import ConfigError
+from ._options import Opts, sandbox_config
 
 app = typer.Typer(help="Serve per-session gVisor sandboxes to MCP clients.",
                   no_args_is_help=True, add_completion=False)
@@ -58,6 +63,7 @@ def serve(
     max_sessions: Annotated[int | None, _opt("sessions alive at once",
                                              env="MAX_SESSIONS")] = None,
     config: Annotated[Path | None, _opt("JSON file of server settings", env="CONFIG")] = None,
+    opt: Opts = None,
 ) -> None:
     """Serve MCP clients over stdio (one client) or streamable HTTP (many, with a token)."""
     try:
@@ -70,17 +76,21 @@ def serve(
                   "pip install 'ray_sandbox[mcp]'")
         raise typer.Exit(2) from None
     data: dict[str, Any] = _json(config.read_text(), "--config") if config else {}
-    sandbox = {**default_sandbox().model_dump(exclude_unset=True), **data.get("sandbox", {})}
-    sandbox.update(_given(image=image, cpu=cpu, memory=memory, disk=disk, network=network,
-                          egress=_json(egress, "--egress")))
+    base = {**default_sandbox().model_dump(exclude_unset=True), **data.get("sandbox", {})}
     data.update(_given(
         transport=transport, host=host, port=port, path=path, token=token,
         require_token=False if no_auth else None, default_timeout=timeout,
         max_timeout=max_timeout, max_output_bytes=max_output_bytes, idle_timeout=idle_timeout,
         max_sessions=max_sessions,
-    ), sandbox=sandbox)
+    ))
     try:
+        data["sandbox"] = sandbox_config(opt, base, image=image, cpu=cpu, memory=memory,
+                                         disk=disk, network=network,
+                                         egress=_json(egress, "--egress"))
         settings = MCPServerConfig.model_validate(data)
+    except ConfigError as exc:
+        err.print(f"[red]error:[/red] {escape(str(exc))}")
+        raise typer.Exit(2) from None
     except ValidationError as exc:
         for e in exc.errors():
             err.print(f"[red]error:[/red] {'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}")

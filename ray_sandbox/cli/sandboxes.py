@@ -5,46 +5,51 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from ..runtime import SandboxRuntime
-from ..runtime.errors import SandboxError
+from ..runtime import SandboxConfig, SandboxRuntime
+from ..runtime.errors import ConfigError, SandboxError
+from ._options import Opts, sandbox_config
 
 app = typer.Typer()
 err = Console(stderr=True)
 
 
 def _fail(exc: SandboxError) -> typer.Exit:
-    err.print(f"[red]error:[/red] {exc}")
+    err.print(f"[red]error:[/red] {escape(str(exc))}")
     return typer.Exit(2)
 
 
-def _config_opts(
-    image: str, cpu: float | None, memory: str | None, network: str, readonly: bool,
-    workdir: str | None, env: list[str], ttl: float | None,
-) -> dict:
+def _config(opts: list[str] | None, env: list[str], **flags: Any) -> SandboxConfig:
+    """The sandbox the flags and ``--opt`` items describe; unset flags keep SandboxConfig's
+    defaults."""
     env_map = {}
     for item in env:
         k, sep, v = item.partition("=")
         if not sep:
-            raise typer.BadParameter(f"--env needs KEY=VALUE, got {item!r}")
+            raise ConfigError(f"--env needs KEY=VALUE, got {item!r}")
         env_map[k] = v
-    return {
-        "image": image, "cpu": cpu, "memory": memory, "network": network, "readonly": readonly,
-        "workdir": workdir, "env": env_map, "ttl_seconds": ttl,
-    }
+    return sandbox_config(opts, env=env_map or None, **flags)
 
 
-_IMAGE = typer.Option("ray-sandbox/python", "--image", "-i", help="image reference")
-_CPU = typer.Option(1.0, help="CPU quota in cores")
-_MEM = typer.Option("512Mi", help="memory limit")
-_NET = typer.Option("none", help="none | public | host | sandbox")
-_RO = typer.Option(True, "--readonly/--writable", help="read-only root (default) or private CoW")
+# Shortcuts for the common options; each is the same as --opt with its field's name, and
+# None (not given) leaves SandboxConfig's default.
+_IMAGE = typer.Option(None, "--image", "-i", help="image reference",
+                      show_default="ray-sandbox/python")
+_CPU = typer.Option(None, help="CPU quota in cores; 0 = unlimited", show_default="1")
+_MEM = typer.Option(None, help="memory limit, e.g. 1Gi", show_default="512Mi")
+_NET = typer.Option(None, help="none | public | host | sandbox", show_default="none")
+_RO = typer.Option(None, "--readonly/--writable", help="read-only root or private CoW",
+                   show_default="readonly")
 _WORKDIR = typer.Option(None, help="writable working directory")
 _ENV = typer.Option([], "--env", "-e", help="KEY=VALUE (repeatable)")
+_OPTIONS_HELP = ("Sandbox options: the common ones have their own flags; every other one is an "
+                 "--opt KEY=VALUE, e.g. --opt pids_limit=256 --opt directfs=false.")
 
 
 def _print_result(res, as_json: bool) -> None:
@@ -63,19 +68,21 @@ def _print_result(res, as_json: bool) -> None:
         err.print("[yellow]timed out[/yellow]")
 
 
-@app.command()
+@app.command(epilog=_OPTIONS_HELP)
 def run(
     command: list[str] = typer.Argument(..., help="command (after --)"),
-    image: str = _IMAGE, cpu: float = _CPU, memory: str = _MEM, network: str = _NET,
-    readonly: bool = _RO, workdir: str | None = _WORKDIR, env: list[str] = _ENV,
+    image: str | None = _IMAGE, cpu: float | None = _CPU, memory: str | None = _MEM,
+    network: str | None = _NET, readonly: bool | None = _RO, workdir: str | None = _WORKDIR,
+    env: list[str] = _ENV, opt: Opts = None,
     timeout: float | None = typer.Option(None, help="seconds"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Run one command in a fresh sandbox, then delete it. Exits with the command's code."""
     try:
+        config = _config(opt, env, image=image, cpu=cpu, memory=memory, network=network,
+                         readonly=readonly, workdir=workdir)
         with SandboxRuntime() as rt:
-            sid = rt.create(**_config_opts(image, cpu, memory, network, readonly, workdir, env,
-                                           None))
+            sid = rt.create(config)
             cmd = command[0] if len(command) == 1 else command
             res = rt.exec(sid, cmd, timeout=timeout)
     except SandboxError as exc:
@@ -84,18 +91,19 @@ def run(
     raise typer.Exit(res.exit_code)
 
 
-@app.command()
+@app.command(epilog=_OPTIONS_HELP)
 def create(
-    image: str = _IMAGE, cpu: float = _CPU, memory: str = _MEM, network: str = _NET,
-    readonly: bool = _RO, workdir: str | None = _WORKDIR, env: list[str] = _ENV,
+    image: str | None = _IMAGE, cpu: float | None = _CPU, memory: str | None = _MEM,
+    network: str | None = _NET, readonly: bool | None = _RO, workdir: str | None = _WORKDIR,
+    env: list[str] = _ENV, opt: Opts = None,
     ttl: float | None = typer.Option(None, help="delete after this many seconds"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Create a sandbox that outlives this command; prints its id."""
     try:
-        rt = SandboxRuntime()
-        sid = rt.create(detach=True, **_config_opts(image, cpu, memory, network, readonly,
-                                                    workdir, env, ttl))
+        config = _config(opt, env, image=image, cpu=cpu, memory=memory, network=network,
+                         readonly=readonly, workdir=workdir, ttl_seconds=ttl)
+        sid = SandboxRuntime().create(config, detach=True)
     except SandboxError as exc:
         raise _fail(exc) from None
     typer.echo(json.dumps({"sandbox_id": sid}) if as_json else sid)

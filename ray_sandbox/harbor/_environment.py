@@ -18,20 +18,24 @@ from harbor.environments.capabilities import (
 from harbor.environments.options import EnvironmentOptions
 from harbor.models.task.config import NetworkPolicy
 from harbor.models.trial.config import ResourceMode
-from pydantic import Field
+from pydantic import Field, field_validator
 from ray.exceptions import RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..actor import SandboxHandle, SandboxTemplate, create_from_template
 from ..runtime import ExecResult as SandboxExecResult
 from ..runtime import OutputChunk, SandboxConfig
-from ..runtime.config import EgressPolicy
+from ..runtime.config import make_config
 from ..runtime.doctor import diagnose
-from ..runtime.network import set_egress
-from ..runtime.paths import home
 from . import _policy
 
 TIMEOUT_EXIT_CODE = 124  # what timeout(1) returns; Harbor tasks know it
+
+
+# The SandboxConfig fields _template derives from the task and the trial; the `sandbox` option
+# refuses them, so that it never silently loses to (or overrides) the task.
+_TASK_FIELDS = ("image", "cpu", "memory", "env", "workdir", "readonly", "timeout_seconds",
+                "network", "egress", "labels")
 
 
 class RaySandboxOptions(EnvironmentOptions):
@@ -46,6 +50,21 @@ class RaySandboxOptions(EnvironmentOptions):
         default_factory=dict, description="custom Ray resources each sandbox also reserves")
     placement_timeout_sec: float | None = Field(
         None, description="give up when the cluster cannot place a sandbox for this long")
+    sandbox: dict[str, Any] = Field(
+        default_factory=dict, description="more SandboxConfig fields for every sandbox, e.g. "
+        '--ek sandbox=\'{"pids_limit": 256, "directfs": false}\'; the task sets '
+        + ", ".join(_TASK_FIELDS))
+
+    @field_validator("sandbox")
+    @classmethod
+    def _sandbox_fields(cls, v: dict[str, Any]) -> dict[str, Any]:
+        # Values are validated with the task's fields in _template (dns= needs the network
+        # the task gives); names now, so that a typo fails the job before any trial.
+        if unknown := sorted(v.keys() - SandboxConfig.model_fields.keys()):
+            raise ValueError(f"unknown sandbox option(s) {', '.join(unknown)}")
+        if owned := sorted(v.keys() & set(_TASK_FIELDS)):
+            raise ValueError(f"sandbox option(s) {', '.join(owned)} come from the task")
+        return v
 
 
 _ray_lock = threading.Lock()
@@ -67,12 +86,6 @@ def _node_problems() -> list[str]:
     if os.geteuid() != 0:
         problems.append("not root: sandboxes would run rootless, without CPU/memory limits")
     return problems
-
-
-@ray.remote(num_cpus=0)
-def _set_egress(sandbox_id: str, policy: EgressPolicy) -> None:
-    """Runs on the sandbox's node, where its network state lives."""
-    set_egress(sandbox_id, home() / "sandboxes" / sandbox_id, policy)
 
 
 class RaySandboxEnvironment(BaseEnvironment):
@@ -150,7 +163,8 @@ class RaySandboxEnvironment(BaseEnvironment):
         cpu_request = self._resource_request_value("cpu", auto_mode=ResourceMode.GUARANTEE)
         mem_limit = self._resource_limit_value("memory", auto_mode=ResourceMode.GUARANTEE)
         mem_request = self._resource_request_value("memory", auto_mode=ResourceMode.GUARANTEE)
-        config = SandboxConfig(
+        config = make_config(
+            self.options.sandbox,
             image=self.task_env_config.docker_image,
             cpu=cpu_limit,
             memory=mem_limit * 2**20 if mem_limit else None,
@@ -211,9 +225,7 @@ class RaySandboxEnvironment(BaseEnvironment):
         if self._mode == "none":
             raise ValueError("the sandbox started without a network (every phase declared "
                              "no-network), so it cannot switch to another policy")
-        strategy = NodeAffinitySchedulingStrategy(node_id=sandbox.node_id, soft=False)
-        await _set_egress.options(scheduling_strategy=strategy).remote(
-            sandbox.sandbox_id, _policy.egress(network_policy))
+        await sandbox.set_egress.remote(_policy.egress(network_policy))
 
     # --- exec ----------------------------------------------------------------------------------
 

@@ -401,7 +401,8 @@ def make_config(
         msgs = []
         for e in exc.errors():
             loc = ".".join(str(p) for p in e["loc"]) or "config"
-            msgs.append(f"{loc}: {e['msg']}")
+            msg = "unknown option" if e["type"] == "extra_forbidden" else e["msg"]
+            msgs.append(f"{loc}: {msg}")
         raise ConfigError("invalid sandbox config: " + "; ".join(msgs)) from None
     except TypeError as exc:
         raise ConfigError(f"invalid sandbox config: {exc}") from None

@@ -147,3 +147,8 @@ def test_auto_pids_limit_is_half_the_pid_space_over_the_planned_density():
 
 def test_cpu_zero_means_unlimited_like_rays_num_cpus_zero():
     assert make_config(cpu=0).cpu is None
+
+
+def test_an_unknown_option_is_named_as_unknown():
+    with pytest.raises(ConfigError, match="nope: unknown option"):
+        make_config(image="x", nope=1)
