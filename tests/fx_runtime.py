@@ -75,7 +75,7 @@ def runtime(rt_home, image_store, default_image, busybox_image):
     yield rt
     rt.close()
     rt.gc()
-    ids = set(rt._tombstones)
+    ids = rt.records.tombstoned()
     assert leftovers(rt_home, ids) == {}, leftovers(rt_home, ids)
 
 

@@ -445,9 +445,7 @@ def test_deleted_or_hijacked_agent_socket_gives_nothing_on_host(runtime, tmp_pat
         # Deleted: the agent re-creates it (checked every 0.5 s) and the host carries on.
         runtime.exec(sid, ["rm", "-f", "/.rsb/run/agent.sock"])
         assert wait_until(lambda: (run_dir / "agent.sock").exists(), 5)
-        runtime._client(sid).close()  # force fresh connections
-        with runtime._lock:
-            runtime._clients.pop(sid, None)
+        runtime._connections.close(sid)  # force fresh connections
         assert wait_until(lambda: _answers_quietly(runtime, sid), 10)
         # Replaced by a fake agent that answers garbage and huge frame lengths: every call
         # fails fast with a typed error, the host does not allocate what the fake claims.

@@ -58,9 +58,7 @@ def test_gc_removes_orphaned_runsc_container(rt_home, runtime):
     for point in _mount.mounts_under(rt_home / "sandboxes" / sid):
         _mount.unmount(point)
     shutil.rmtree(rt_home / "sandboxes" / sid)
-    with runtime._lock:
-        runtime._owned.discard(sid)
-        runtime._records.pop(sid, None)
+    runtime.records.forget(sid)
     assert sid in [c.id for c in runtime.runsc.list()]
     assert sid in runtime.gc()
     assert sid not in [c.id for c in runtime.runsc.list()]

@@ -60,3 +60,10 @@ def pids_exhausted(sandbox_id: str) -> bool:
     """A fork was refused by the sandbox's pids limit (``pids.events``: ``max N``)."""
     return cgroup_counted("max", CGROUP_ROOT / "pids" / sandbox_id / "pids.events",
                           CGROUP_ROOT / sandbox_id / "pids.events")
+
+
+def is_running(pid: int, start: int | None) -> bool:
+    """Whether ``pid`` still names the process that started at ``start`` ticks. A zombie
+    counts as gone: its parent (e.g. a subreaper that does not collect it) may never reap."""
+    st = stat(pid)
+    return st is not None and st.start == start and st.state != "Z"

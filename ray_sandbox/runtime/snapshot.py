@@ -16,25 +16,32 @@ gives every copy fresh copies of them. Deleting the directory deletes the snapsh
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
+import json
 import os
 import shutil
 import stat
 import tarfile
 import time
+import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from . import procfs
 from .archive import TRANSFER_CHUNK, as_file, member_path
-from .errors import SnapshotCorruptError, SnapshotNotFoundError
+from .errors import SandboxError, SnapshotCorruptError, SnapshotNotFoundError
+from .records import ID_RE, owner_fields
 
 IMAGE_FILES = ("checkpoint.img", "pages.img", "pages_meta.img")
 _HASHED = ("checkpoint.img", "pages_meta.img")  # small; pages.img is checked by size
 _XATTR_PAX = "SCHILY.xattr."  # how GNU tar and libarchive carry xattrs in pax headers
+_IMPORTING = ".import-"  # an import being unpacked, renamed to its id once verified
+_PARTIAL_S = 60.0  # a partial snapshot or import older than this lost its process
 
 
 class Snapshot(BaseModel):
@@ -124,6 +131,99 @@ class SnapshotDir:
 
     def remove(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
+
+
+class SnapshotStore:
+    """The snapshots of one home (``home()/snapshots``), reached as ``runtime.snapshots``:
+    find, list, delete, export, import and collect them. Taking and restoring one needs a
+    running sandbox and lives in the runtime."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def new(self) -> SnapshotDir:
+        """An empty directory for a snapshot about to be taken (partial until sealed)."""
+        sd = SnapshotDir(self.root / uuid.uuid4().hex)
+        sd.image.mkdir(parents=True)
+        return sd
+
+    def open(self, snapshot: Snapshot | str) -> tuple[Snapshot, SnapshotDir]:
+        snap_id = snapshot if isinstance(snapshot, str) else snapshot.snapshot_id
+        if not isinstance(snap_id, str) or not ID_RE.match(snap_id):
+            raise SnapshotNotFoundError(f"not a snapshot id: {snap_id!r}")
+        sd = SnapshotDir(self.root / snap_id)
+        return sd.load(snap_id), sd
+
+    def get(self, snapshot_id: str) -> Snapshot:
+        return self.open(snapshot_id)[0]
+
+    def has(self, snapshot_id: str) -> bool:
+        return bool(ID_RE.match(snapshot_id)) and SnapshotDir(self.root / snapshot_id).meta.exists()
+
+    def list(self) -> list[Snapshot]:
+        """Every complete snapshot of this home."""
+        out = []
+        for d in sorted(self.root.iterdir()):
+            if ID_RE.match(d.name):
+                with contextlib.suppress(SandboxError):
+                    out.append(SnapshotDir(d).load(d.name))
+        return out
+
+    def delete(self, snapshot: Snapshot | str) -> None:
+        """Remove a snapshot's files. Idempotent."""
+        snap_id = snapshot if isinstance(snapshot, str) else snapshot.snapshot_id
+        if isinstance(snap_id, str) and ID_RE.match(snap_id):
+            SnapshotDir(self.root / snap_id).remove()
+
+    def export(self, snapshot_id: str) -> Iterator[bytes]:
+        """The snapshot's files as a tar stream, for :meth:`import_` on another node."""
+        snap, sd = self.open(snapshot_id)
+        sd.verify(snap)
+        return pack(sd.path)
+
+    def import_(self, chunks: Iterable[bytes], *, detach: bool = False) -> Snapshot:
+        """Store a snapshot exported on another node (same id); owned by this process unless
+        ``detach``. A damaged stream leaves nothing behind."""
+        tmp = self.root / f"{_IMPORTING}{uuid.uuid4().hex}"
+        unpack(chunks, tmp)
+        try:
+            sd = SnapshotDir(tmp)
+            snap_id = json.loads(sd.meta.read_text()).get("snapshot_id", "")
+            snap = sd.load(snap_id)
+            sd.verify(snap)
+            dest = self.root / snap.snapshot_id
+            snap = snap.model_copy(update={"path": str(dest), **owner_fields(detach)})
+            sd.write(snap)
+            os.replace(tmp, dest)
+            return snap
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def gc(self) -> list[str]:
+        """Remove snapshots whose owner died, and partial ones (no snapshot.json) or imports
+        older than a minute (one being taken or imported is younger). Returns their ids."""
+        removed = []
+        now = time.time()
+        for d in sorted(self.root.iterdir()):
+            if not ID_RE.match(d.name):
+                if d.name.startswith(_IMPORTING) and now - d.stat().st_mtime > _PARTIAL_S:
+                    shutil.rmtree(d, ignore_errors=True)  # an import whose process died
+                continue
+            sd = SnapshotDir(d)
+            try:
+                snap = sd.load(d.name)
+            except SnapshotNotFoundError:
+                if now - d.stat().st_mtime < _PARTIAL_S:
+                    continue
+            except SandboxError:
+                pass
+            else:
+                if snap.owner_pid is None or procfs.is_running(snap.owner_pid, snap.owner_start):
+                    continue
+            sd.remove()
+            removed.append(d.name)
+        return removed
 
 
 def _sha256(path: Path) -> str:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the DNS helper imports this module and must stay free of pydantic
-    from ..runtime.config import EgressPolicy
+    from ..config import EgressPolicy
 
 PRIVATE: tuple[str, ...] = (
     "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "fc00::/7",

@@ -1,0 +1,61 @@
+"""One agent client per sandbox, and the warm interpreters (``run_python`` contexts) that
+run over it, for the sandboxes one runtime talks to. Thread-safe."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from .agent.client import AgentClient
+from .agent.pyrepl import PythonContext
+
+
+class Connections:
+    def __init__(self, io_timeout: float) -> None:
+        self.io_timeout = io_timeout
+        self._lock = threading.Lock()
+        self._clients: dict[str, AgentClient] = {}
+        self._pythons: dict[tuple[str, str], PythonContext] = {}
+
+    def get(self, sandbox_id: str, socket: Path) -> AgentClient:
+        """The sandbox's client, made on first use (clients connect lazily)."""
+        with self._lock:
+            client = self._clients.get(sandbox_id)
+        if client is not None:
+            return client
+        client = AgentClient(socket, sandbox_id=sandbox_id, io_timeout=self.io_timeout)
+        with self._lock:
+            return self._clients.setdefault(sandbox_id, client)
+
+    def add(self, sandbox_id: str, client: AgentClient) -> None:
+        with self._lock:
+            self._clients[sandbox_id] = client
+
+    def python(self, sandbox_id: str, context: str,
+               start: Callable[[], PythonContext]) -> PythonContext:
+        """The sandbox's interpreter for ``context``, started by ``start`` on first use."""
+        with self._lock:
+            ctx = self._pythons.get((sandbox_id, context))
+        if ctx is not None:
+            return ctx
+        ctx = start()
+        with self._lock:
+            kept = self._pythons.setdefault((sandbox_id, context), ctx)
+        if kept is not ctx:  # another call started one meanwhile: keep one interpreter
+            ctx.kill()
+        return kept
+
+    def take_pythons(self, sandbox_id: str) -> list[PythonContext]:
+        """Remove and return the sandbox's interpreters (the caller ends them)."""
+        with self._lock:
+            keys = [k for k in self._pythons if k[0] == sandbox_id]
+            return [self._pythons.pop(k) for k in keys]
+
+    def close(self, sandbox_id: str) -> None:
+        """Close the sandbox's client; its interpreters go with their connections."""
+        self.take_pythons(sandbox_id)
+        with self._lock:
+            client = self._clients.pop(sandbox_id, None)
+        if client is not None:
+            client.close()

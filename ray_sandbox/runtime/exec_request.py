@@ -1,0 +1,80 @@
+"""What one exec asks the agent to run: the argv, environment, working directory, user and
+timeout of a command, derived from the sandbox's record and the call's arguments. Checks
+everything the agent would otherwise trip over (NUL bytes, bad names, a missing shell) so
+that bad input is a typed error before anything runs."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from . import bundle
+from .errors import ConfigError, ExecError
+from .records import SandboxRecord
+
+
+def argv_of(rec: SandboxRecord, command: str | list[str], shell: str | None) -> list[str]:
+    """A string runs through ``shell`` (default ``/bin/sh -c``); a list runs as argv."""
+    if isinstance(command, str):
+        sh = shell or "/bin/sh"
+        if not os.path.lexists(Path(rec.image_rootfs) / sh.lstrip("/")):
+            raise ExecError(f"image {rec.image} has no {sh}; pass the command as an argv list",
+                            sandbox_id=rec.sandbox_id)
+        argv = [sh, "-c", command]
+    elif isinstance(command, list | tuple):
+        argv = [str(a) for a in command]
+        if not argv:
+            raise ExecError("empty command", sandbox_id=rec.sandbox_id)
+    else:
+        raise ConfigError(f"command must be a string or a list of arguments, not "
+                          f"{type(command).__name__}", sandbox_id=rec.sandbox_id)
+    if any("\0" in a for a in argv):
+        raise ExecError("command contains a NUL byte", sandbox_id=rec.sandbox_id)
+    return argv
+
+
+def env_of(rec: SandboxRecord, env: Mapping[str, str] | None) -> list[str]:
+    """The image's environment, then the sandbox's, then the call's."""
+    if env is not None and not isinstance(env, Mapping):
+        raise ConfigError("env must be a mapping of names to strings", sandbox_id=rec.sandbox_id)
+    merged = {**rec.config.get("env", {}), **(env or {})}
+    for k, v in merged.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise ConfigError(f"environment variable {k!r}: names and values must be strings",
+                              sandbox_id=rec.sandbox_id)
+        if not k or "=" in k or "\0" in k or "\0" in v:
+            raise ExecError(f"invalid environment variable {k!r}", sandbox_id=rec.sandbox_id)
+    return bundle.merge_env(rec.image_env, merged)
+
+
+def exec_args(
+    rec: SandboxRecord,
+    command: str | list[str],
+    *,
+    cwd: str | None = None,
+    env: Mapping[str, str] | None = None,
+    user: str | None = None,
+    shell: str | None = None,
+    timeout: float | None = None,
+) -> dict[str, Any]:
+    """The agent client's ``exec``/``spawn`` arguments; unset ones fall back to the
+    sandbox's config, then to the image's."""
+    cfg = rec.config
+    return {
+        "argv": argv_of(rec, command, shell),
+        "env": env_of(rec, env),
+        "cwd": cwd or cfg.get("workdir") or rec.image_workdir or "/",
+        "user": user or cfg.get("user") or rec.image_user or None,
+        "timeout": timeout if timeout is not None else cfg.get("timeout_seconds"),
+    }
+
+
+def stdin_bytes(stdin: bytes | str | None, sandbox_id: str) -> bytes | None:
+    if not isinstance(stdin, str):
+        return stdin
+    try:
+        return stdin.encode()
+    except UnicodeEncodeError:
+        raise ExecError("stdin text cannot be encoded as UTF-8", sandbox_id=sandbox_id) from None

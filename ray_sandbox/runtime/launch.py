@@ -1,0 +1,327 @@
+"""Bringing a sandbox up and taking it down: the pipeline that create and restore share
+(image pin, root overlay, disk, network, bundle, record, runsc, agent ready) and its exact
+inverse. Everything a launch made is undone by :meth:`Launcher.destroy`, which also cleans
+up after a launch that stopped half-way."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from . import _mount, bundle, disk, network, procfs
+from .agent.client import AgentClient
+from .bundle import SandboxDir
+from .config import SandboxConfig
+from .connections import Connections
+from .errors import (
+    ImageNotFoundError,
+    SandboxCreationError,
+    SandboxError,
+    SnapshotCorruptError,
+)
+from .images import Image, ImageStore
+from .records import ID_RE, Records, SandboxRecord, owner_fields
+from .runsc import Runsc
+from .snapshot import Snapshot, SnapshotDir, copy_tree, rewrite_paths
+from .spec import Spec, apply_transform
+
+READY_TIMEOUT = 20.0
+_STATE_CHECK_S = 0.25  # how often a starting sandbox's runsc state is checked for a crash
+
+
+def agent_binary() -> Path:
+    env = os.environ.get("RAY_SANDBOX_AGENT")
+    path = Path(env) if env else Path(__file__).resolve().parent / "agent" / bundle.AGENT_NAME
+    if not path.is_file():
+        raise SandboxCreationError(
+            f"the in-sandbox agent {path} is missing; build it with "
+            "`make -C ray_sandbox/runtime/agent` (scripts/setup.sh does)"
+        )
+    return path
+
+
+def localize_spec(spec: dict[str, Any], sandbox_id: str, netns: str | None) -> dict[str, Any]:
+    """A restored copy's spec: its own id annotation and network namespace, and this node's
+    agent directory."""
+    spec.setdefault("annotations", {})["dev.ray-sandbox.id"] = sandbox_id
+    for ns in spec.get("linux", {}).get("namespaces", []):
+        if ns.get("type") == "network":
+            ns.pop("path", None)
+            if netns:
+                ns["path"] = netns
+    for m in spec.get("mounts", []):
+        if m.get("destination") == bundle.AGENT_DIR:
+            m["source"] = str(agent_binary().parent)
+    return spec
+
+
+def as_creation_error(exc: SandboxError, what: str, sandbox_id: str) -> SandboxCreationError:
+    """``exc`` as the SandboxCreationError of a failed create or restore, its command kept."""
+    return SandboxCreationError(f"{what} failed: {exc.message}", sandbox_id=sandbox_id,
+                                argv=exc.argv, returncode=exc.returncode, stderr=exc.stderr)
+
+
+def all_or_nothing(ids: Iterable[str], start: Callable[[str], None],
+                   undo: Callable[[str], None], parallel: int) -> None:
+    """Run ``start`` for every id, ``parallel`` at a time; if any fails, ``undo`` the ones
+    that succeeded and raise the first error."""
+    ids = list(ids)
+    made: list[str] = []
+    errors: list[BaseException] = []
+    with ThreadPoolExecutor(max_workers=max(1, min(len(ids), parallel))) as pool:
+        futures = [pool.submit(start, i) for i in ids]
+        for i, fut in zip(ids, futures, strict=True):
+            try:
+                fut.result()
+                made.append(i)
+            except BaseException as exc:  # noqa: BLE001 - re-raised below
+                errors.append(exc)
+    if errors:
+        for i in made:
+            with contextlib.suppress(SandboxError):
+                undo(i)
+        raise errors[0]
+
+
+class Launcher:
+    """Starts sandboxes from images or snapshots, and destroys them, for one home."""
+
+    def __init__(self, home: Path, records: Records, connections: Connections, runsc: Runsc,
+                 images: ImageStore) -> None:
+        self._records = records
+        self._connections = connections
+        self.runsc = runsc
+        self.images = images
+        # Image pins are `<home key>:<id>`, so that runtimes of several homes on one shared
+        # image store never take each other's pins for stale ones.
+        self._pin_prefix = hashlib.sha256(str(home.resolve()).encode()).hexdigest()[:12] + ":"
+
+    # --- create and restore ------------------------------------------------------------------
+
+    def create(self, sandbox_id: str, cfg: SandboxConfig, detach: bool) -> SandboxRecord:
+        """Start a sandbox from its image; on any failure nothing of it is left."""
+        agent = agent_binary()
+        image = self._pinned(cfg.image, sandbox_id)
+        sdir = self._records.sdir(sandbox_id)
+        try:
+            sdir.create()
+            return self._start(sandbox_id, sdir, cfg, image, agent, detach)
+        except BaseException as exc:
+            self.destroy(sandbox_id)
+            self.images.unpin(image.digest, self._pin_owner(sandbox_id))  # no record yet
+            if isinstance(exc, SandboxError) and not isinstance(exc, SandboxCreationError):
+                raise as_creation_error(exc, "creating sandbox", sandbox_id) from exc
+            raise
+
+    def restore(self, snap: Snapshot, sd: SnapshotDir, sandbox_id: str, cfg: SandboxConfig,
+                detach: bool) -> SandboxRecord:
+        """Start a copy of a snapshot under ``sandbox_id``. On failure the caller destroys it
+        (the copy is retried as a whole)."""
+        image = self._pinned(snap.image, sandbox_id)
+        if image.digest != snap.image_digest:
+            raise SnapshotCorruptError(
+                f"image {snap.image} is {image.digest} on this node, the snapshot needs "
+                f"{snap.image_digest}", sandbox_id=sandbox_id,
+            )
+        sdir = self._records.sdir(sandbox_id)
+        sdir.create()
+        attachment, overlay = self._prepare(sandbox_id, sdir, cfg, image, upper=sd.upper)
+        if sd.work.is_dir():
+            copy_tree(sd.work, sdir.work)
+        spec = rewrite_paths(json.loads(sd.spec.read_text()), snap.source_dir, str(sdir.path))
+        spec_model = Spec.model_validate(localize_spec(spec, sandbox_id, attachment.netns_path))
+        bundle.write_bundle(sdir, spec_model, hostname=sd.hostname.read_text().strip(),
+                            resolv_conf=attachment.resolv_conf, hosts=attachment.hosts)
+        (sdir.run / "seed").write_text(os.urandom(32).hex() + "\n")
+        rec = self._new_record(sandbox_id, sdir, cfg, image, attachment, overlay, detach,
+                               image_user=snap.image_user, image_workdir=snap.image_workdir,
+                               oci_seccomp=spec_model.linux.seccomp is not None)
+        # The source's global flags: a restore with another --directfs fails (ENOMEM).
+        self.runsc.restore_detached(sandbox_id, sdir.bundle, sd.image, rec.runsc_flags,
+                                    prefix=attachment.run_prefix, log_dir=sdir.path)
+        self._wait_ready(sandbox_id, sdir)
+        return self._records.set_phase(rec, "created")
+
+    def _pin_owner(self, sandbox_id: str) -> str:
+        return self._pin_prefix + sandbox_id
+
+    def _pinned(self, ref: str, sandbox_id: str) -> Image:
+        """The image, pinned for this sandbox (a concurrent remove between get and pin makes
+        the store fetch it again)."""
+        for attempt in range(3):
+            image = self.images.get(ref)
+            try:
+                self.images.pin(image.digest, self._pin_owner(sandbox_id))
+                return image
+            except ImageNotFoundError:
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _start(self, sandbox_id: str, sdir: SandboxDir, cfg: SandboxConfig, image: Image,
+               agent: Path, detach: bool) -> SandboxRecord:
+        attachment, overlay = self._prepare(sandbox_id, sdir, cfg, image)
+        if cfg.readonly and cfg.workdir:
+            bundle.seed_workdir(Path(image.rootfs), cfg.workdir, sdir.work, sandbox_id=sandbox_id)
+        spec = bundle.build_spec(
+            sandbox_id=sandbox_id,
+            config=cfg,
+            rootfs=sdir.root,
+            image_env=list(image.config.env),
+            sdir=sdir,
+            agent_dir=agent.parent,
+            netns_path=attachment.netns_path,
+            host_network=attachment.runsc_network == "host",
+            with_resolv_conf=attachment.resolv_conf is not None,
+        )
+        spec = apply_transform(spec, cfg.spec_transform, sandbox_id=sandbox_id)
+        bundle.write_bundle(sdir, spec, hostname=spec.hostname or "sandbox",
+                            resolv_conf=attachment.resolv_conf, hosts=attachment.hosts)
+        rec = self._new_record(sandbox_id, sdir, cfg, image, attachment, overlay, detach,
+                               image_user=image.config.user or None,
+                               image_workdir=image.config.working_dir or None,
+                               oci_seccomp=spec.linux.seccomp is not None)
+        self.runsc.run_detached(sandbox_id, sdir.bundle, rec.runsc_flags,
+                                prefix=attachment.run_prefix, log_dir=sdir.path)
+        client = self._wait_ready(sandbox_id, sdir)
+        if cfg.workdir and not cfg.readonly:
+            # Like a Dockerfile WORKDIR: it exists even if the image lacks it. Made through
+            # the agent, inside the sandbox, so image symlinks cannot point it at the host.
+            client.mkdir(cfg.workdir, parents=True)
+        return self._records.set_phase(rec, "created")
+
+    def _prepare(self, sandbox_id: str, sdir: SandboxDir, cfg: SandboxConfig, image: Image,
+                 upper: Path | None = None) -> tuple[network.NetworkAttachment, str]:
+        """Root overlay (upper layer copied from ``upper`` if given), the size-capped disk,
+        network, gVisor overlay dir; returns the network attachment and the ``--overlay2``
+        value."""
+        if upper is not None:
+            copy_tree(upper, sdir.upper)
+        _mount.mount_overlay(Path(image.rootfs), sdir.upper, sdir.ovwork, sdir.root,
+                             sandbox_id=sandbox_id)
+        # Only a writable root (runsc's filestore) or a workdir bind write to the node's disk;
+        # a read-only sandbox without a workdir writes only to memory-bounded tmpfs.
+        if cfg.disk is not None and (not cfg.readonly or cfg.workdir):
+            disk.attach(sdir.disk_image, sdir.disk, cfg.disk, sandbox_id=sandbox_id)
+        attachment = network.attach(sandbox_id, cfg, sdir.path)
+        overlay = "none"
+        if not cfg.readonly:
+            sdir.overlay.mkdir()
+            overlay = f"root:dir={sdir.overlay}"
+        return attachment, overlay
+
+    def _new_record(
+        self, sandbox_id: str, sdir: SandboxDir, cfg: SandboxConfig, image: Image,
+        attachment: network.NetworkAttachment, overlay: str, detach: bool, *,
+        image_user: str | None, image_workdir: str | None, oci_seccomp: bool,
+    ) -> SandboxRecord:
+        """The record of a sandbox about to start, written before runsc runs."""
+        now = time.time()
+        rec = SandboxRecord(
+            sandbox_id=sandbox_id,
+            config=cfg.model_dump(mode="json"),
+            image=cfg.image,
+            image_digest=image.digest,
+            rootfs=str(sdir.root),
+            image_rootfs=str(image.rootfs),
+            image_env=list(image.config.env),
+            image_user=image_user,
+            image_workdir=image_workdir,
+            created_at=now,
+            ttl_deadline=now + cfg.ttl_seconds if cfg.ttl_seconds else None,
+            network=attachment.runsc_network,
+            overlay=overlay,
+            platform=cfg.platform,
+            rootless=cfg.effective_rootless,
+            directfs=cfg.directfs,
+            oci_seccomp=oci_seccomp,
+            endpoints=attachment.endpoints,
+            **owner_fields(detach),
+        )
+        self._records.write(rec)
+        return rec
+
+    def _wait_ready(self, sandbox_id: str, sdir: SandboxDir) -> AgentClient:
+        """Wait until the agent answers a ping, or until runsc says the sandbox stopped, or
+        READY_TIMEOUT; the ready client becomes the sandbox's connection."""
+        client = AgentClient(sdir.socket, sandbox_id=sandbox_id,
+                             io_timeout=self._connections.io_timeout)
+        deadline = time.monotonic() + READY_TIMEOUT
+        next_state_check = time.monotonic() + _STATE_CHECK_S
+        while True:
+            if sdir.socket.exists():
+                try:
+                    client.ping()
+                    self._connections.add(sandbox_id, client)
+                    return client
+                except SandboxError:
+                    pass
+            now = time.monotonic()
+            if now > deadline:
+                client.close()
+                raise SandboxCreationError(
+                    f"sandbox agent did not become ready within {READY_TIMEOUT:g}s",
+                    sandbox_id=sandbox_id, stderr=_runsc_log(sdir),
+                )
+            if now > next_state_check:
+                next_state_check = now + _STATE_CHECK_S
+                if self.runsc.state(sandbox_id).status == "stopped":
+                    client.close()
+                    raise SandboxCreationError("sandbox stopped while starting",
+                                               sandbox_id=sandbox_id, stderr=_runsc_log(sdir))
+            time.sleep(0.002)
+
+    # --- teardown ----------------------------------------------------------------------------
+
+    def destroy(self, sandbox_id: str, reason: str | None = None) -> None:
+        """Stop the sandbox and remove everything it owns: runsc state, network, image pin,
+        cgroups, mounts, files. Safe on a half-made or already removed sandbox; ``reason``
+        becomes its tombstone."""
+        self._records.forget(sandbox_id, reason)
+        self._connections.close(sandbox_id)
+        sdir = self._records.sdir(sandbox_id)
+        errors: list[Exception] = []
+        try:
+            self.runsc.delete(sandbox_id)
+        except SandboxError as exc:
+            errors.append(exc)
+        try:
+            network.detach(sandbox_id, sdir.path)
+        except SandboxError as exc:
+            errors.append(exc)
+        rec = self._records.load(sandbox_id)
+        if rec is not None:
+            self.images.unpin(rec.image_digest, self._pin_owner(sandbox_id))
+        for cg in procfs.cgroup_dirs(sandbox_id):
+            with contextlib.suppress(OSError):
+                cg.rmdir()
+        for leftover in self.runsc.root.glob(f"*{sandbox_id}*"):
+            leftover.unlink(missing_ok=True)
+        for point in _mount.mounts_under(sdir.path):
+            _mount.unmount(point)
+        sdir.remove()
+        if errors:
+            raise errors[0]
+
+    def unpin_stale(self, live: set[str]) -> None:
+        """Drop this home's image pins of sandboxes that are gone. The store may be shared by
+        several homes: only this home's pins are ours to judge."""
+        mine = {self._pin_owner(sid) for sid in live}
+        for image in self.images.list():
+            for owner in self.images.pins(image.digest) - mine:
+                if owner.startswith(self._pin_prefix) and ID_RE.match(owner.split(":")[1]):
+                    self.images.unpin(image.digest, owner)
+
+
+def _runsc_log(sdir: SandboxDir) -> str:
+    try:
+        return (sdir.path / "runsc.err").read_text(errors="replace")[-4000:]
+    except OSError:
+        return ""

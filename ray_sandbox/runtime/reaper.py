@@ -1,0 +1,119 @@
+"""Ending what should not run any more: sandboxes past their TTL, and everything dead
+owners left behind (sandboxes whose creator died, runsc containers and processes without a
+record, network state, snapshots, image pins)."""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from . import _subreaper, network, procfs
+from .errors import SandboxError
+from .launch import Launcher
+from .records import ID_RE, Records
+from .snapshot import SnapshotStore
+
+_log = logging.getLogger(__name__)
+_MAX_WAIT_S = 3600.0  # a far deadline must not overflow a wait; earlier ones notify anyway
+_KILL_WAIT_S = 5.0
+
+
+class TtlTimer:
+    """Calls ``expire(sandbox_id)`` at each scheduled deadline, on one daemon thread started
+    on first use. A failing ``expire`` is logged and never ends the other deadlines."""
+
+    def __init__(self, expire: Callable[[str], None]) -> None:
+        self._expire = expire
+        self._cv = threading.Condition()
+        self._heap: list[tuple[float, str]] = []
+        self._thread: threading.Thread | None = None
+
+    def schedule(self, sandbox_id: str, deadline: float) -> None:
+        with self._cv:
+            heapq.heappush(self._heap, (deadline, sandbox_id))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="ray-sandbox-ttl",
+                                                daemon=True)
+                self._thread.start()
+            self._cv.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._heap:
+                    self._cv.wait()
+                deadline, sid = self._heap[0]
+                delay = deadline - time.time()
+                if delay > 0:
+                    self._cv.wait(timeout=min(delay, _MAX_WAIT_S))
+                    continue
+                heapq.heappop(self._heap)
+            try:
+                self._expire(sid)
+            except Exception:  # one failed teardown must not end every other TTL
+                _log.exception("TTL teardown of sandbox %s failed", sid)
+
+
+def gc(records: Records, launcher: Launcher, snapshots: SnapshotStore) -> list[str]:
+    """Remove what dead owners left behind in this home; returns the ids removed."""
+    live, dead = records.live_and_dead()
+    runsc = launcher.runsc
+    # A dead owner's `runsc run` may still be running: stop it first, or it would go on to
+    # create cgroups after we cleaned up.
+    kill_stray_runsc(runsc.root, live)
+    removed: list[str] = []
+    for sid, reason in dead:
+        launcher.destroy(sid, reason=reason)
+        removed.append(sid)
+    try:
+        containers = runsc.list()
+    except SandboxError:
+        containers = []
+    for c in containers:
+        if c.id not in live and ID_RE.match(c.id):
+            launcher.destroy(c.id, reason="Orphaned")
+            removed.append(c.id)
+    kill_stray_runsc(runsc.root, live)
+    network.gc(live, records.dir)
+    removed += snapshots.gc()
+    launcher.unpin_stale(live)
+    return sorted(set(removed))
+
+
+def kill_stray_runsc(runsc_root: Path, live: set[str]) -> None:
+    """Kill, and wait out, runsc processes of this root that belong to no live sandbox:
+    sandbox/gofer processes runsc no longer lists (a ``runsc run`` killed half-way,
+    PLATFORM §9.8) and runsc commands a dead owner left running."""
+    marker = f"--root={runsc_root}".encode()
+    killed: list[int] = []
+    for pid_dir in Path("/proc").iterdir():
+        if not pid_dir.name.isdigit():
+            continue
+        try:
+            args = (pid_dir / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if not args or (args[0] not in (b"runsc-sandbox", b"runsc-gofer")
+                        and os.path.basename(args[0]) != b"runsc"):
+            continue
+        if marker not in args:
+            continue
+        ids = [a.decode() for a in args if ID_RE.match(a.decode(errors="ignore"))]
+        if ids and not any(i in live for i in ids):
+            try:
+                os.kill(int(pid_dir.name), 9)
+                killed.append(int(pid_dir.name))
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + _KILL_WAIT_S
+    while killed and time.monotonic() < deadline:
+        _subreaper.reap_orphans()
+        killed = [pid for pid in killed if (st := procfs.stat(pid)) is not None and st.state != "Z"]
+        if killed:
+            time.sleep(0.01)
+    _subreaper.reap_orphans()

@@ -1,0 +1,204 @@
+"""What the node knows about its sandboxes: ``sandboxes/<id>/record.json`` (written before
+runsc starts a sandbox, so any process on the node can address it by id), and one runtime's
+view of which of them it owns and which it deleted."""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from . import procfs
+from .bundle import SandboxDir
+from .config import SandboxConfig
+from .errors import SandboxNotFoundError
+from .runsc import RunscFlags
+
+ID_RE = re.compile(r"^[0-9a-f]{32}$")
+# A sandbox dir younger than this without a record is being created by another process.
+CREATING_GRACE_S = 60.0
+
+
+class SandboxRecord(BaseModel):
+    """What the node knows about a sandbox; written before runsc starts it."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    sandbox_id: str
+    config: dict[str, Any]
+    image: str
+    image_digest: str
+    rootfs: str  # the sandbox's own overlay root
+    image_rootfs: str  # the shared, read-only image rootfs
+    image_env: list[str] = Field(default_factory=list)
+    image_user: str | None = None
+    image_workdir: str | None = None
+    created_at: float
+    ttl_deadline: float | None = None
+    owner_pid: int | None = None
+    owner_start: int | None = None
+    network: str = "none"
+    overlay: str = "none"
+    platform: str = "ptrace"
+    rootless: bool = False
+    directfs: bool = True
+    oci_seccomp: bool = False  # the spec has a seccomp filter for the sentry to enforce
+    phase: str = "creating"  # creating | created | paused
+    endpoints: dict[int, tuple[str, int]] = Field(default_factory=dict)
+
+    @property
+    def sandbox_config(self) -> SandboxConfig:
+        return SandboxConfig(**self.config)
+
+    @property
+    def runsc_flags(self) -> RunscFlags:
+        return RunscFlags(network=self.network, overlay=self.overlay, rootless=self.rootless,
+                          platform=self.platform, directfs=self.directfs,
+                          oci_seccomp=self.oci_seccomp)
+
+    def owner_alive(self) -> bool:
+        """A detached sandbox (no owner) is only deleted explicitly or by its TTL."""
+        return self.owner_pid is None or procfs.is_running(self.owner_pid, self.owner_start)
+
+    def expired(self, now: float) -> bool:
+        return self.ttl_deadline is not None and self.ttl_deadline < now
+
+
+def owner_fields(detach: bool) -> dict[str, int | None]:
+    """``owner_pid``/``owner_start`` of a record or snapshot made by this process: none for
+    a detached one, which outlives it."""
+    if detach:
+        return {"owner_pid": None, "owner_start": None}
+    me = procfs.stat(os.getpid())
+    return {"owner_pid": os.getpid(), "owner_start": me.start if me else None}
+
+
+def check_id(sandbox_id: object) -> None:
+    if not isinstance(sandbox_id, str) or not ID_RE.match(sandbox_id):
+        raise SandboxNotFoundError(f"not a sandbox id: {sandbox_id!r}", sandbox_id=None)
+
+
+def labels_match(have: Mapping[str, str], want: Mapping[str, str]) -> bool:
+    return all(have.get(k) == v for k, v in want.items())
+
+
+class Records:
+    """The records of one home's sandboxes, cached for the ones this runtime owns, plus
+    tombstones that say why a deleted id is gone. Thread-safe."""
+
+    def __init__(self, sandboxes_dir: Path) -> None:
+        self.dir = sandboxes_dir
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._cache: dict[str, SandboxRecord] = {}
+        self._owned: set[str] = set()
+        self._tombstones: dict[str, str] = {}
+
+    def sdir(self, sandbox_id: str) -> SandboxDir:
+        return SandboxDir(self.dir / sandbox_id)
+
+    def load(self, sandbox_id: str) -> SandboxRecord | None:
+        with self._lock:
+            rec = self._cache.get(sandbox_id)
+        if rec is not None:
+            return rec
+        try:
+            return SandboxRecord.model_validate_json(self.sdir(sandbox_id).record.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def get(self, sandbox_id: str) -> SandboxRecord:
+        """The record, or SandboxNotFoundError saying why the id is gone."""
+        check_id(sandbox_id)
+        rec = self.load(sandbox_id)
+        if rec is None:
+            reason = self.tombstone(sandbox_id)
+            msg = f"sandbox was deleted ({reason})" if reason else "no such sandbox"
+            raise SandboxNotFoundError(msg, sandbox_id=sandbox_id)
+        return rec
+
+    def write(self, rec: SandboxRecord) -> None:
+        """Replace the record on disk (atomically) and in the cache if it is cached."""
+        path = self.sdir(rec.sandbox_id).record
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(rec.model_dump_json())
+        os.replace(tmp, path)
+        with self._lock:
+            if rec.sandbox_id in self._cache:
+                self._cache[rec.sandbox_id] = rec
+
+    def set_phase(self, rec: SandboxRecord, phase: str) -> SandboxRecord:
+        rec = rec.model_copy(update={"phase": phase})
+        self.write(rec)
+        return rec
+
+    def adopt(self, rec: SandboxRecord) -> None:
+        """This runtime owns the sandbox now (made or restored under this id)."""
+        with self._lock:
+            self._cache[rec.sandbox_id] = rec
+            self._owned.add(rec.sandbox_id)
+            self._tombstones.pop(rec.sandbox_id, None)
+
+    def forget(self, sandbox_id: str, reason: str | None = None) -> None:
+        """No longer owned or cached; ``reason`` is kept as its tombstone."""
+        with self._lock:
+            self._cache.pop(sandbox_id, None)
+            self._owned.discard(sandbox_id)
+            if reason:
+                self._tombstones[sandbox_id] = reason
+
+    def tombstone(self, sandbox_id: str) -> str | None:
+        with self._lock:
+            return self._tombstones.get(sandbox_id)
+
+    def tombstoned(self) -> set[str]:
+        with self._lock:
+            return set(self._tombstones)
+
+    def owns(self, sandbox_id: str) -> bool:
+        with self._lock:
+            return sandbox_id in self._owned
+
+    def owned(self) -> list[str]:
+        with self._lock:
+            return sorted(self._owned)
+
+    def on_disk(self) -> list[str]:
+        """Every sandbox id of this home, owned by any process."""
+        return sorted(p.name for p in self.dir.iterdir() if ID_RE.match(p.name))
+
+    def select(self, ids: list[str], labels: Mapping[str, str] | None) -> list[str]:
+        if not labels:
+            return ids
+        return [i for i in ids
+                if (rec := self.load(i)) and labels_match(rec.config.get("labels", {}), labels)]
+
+    def live_and_dead(self) -> tuple[set[str], list[tuple[str, str]]]:
+        """Which sandboxes of this home still have a reason to exist, and which do not
+        (their creator died or their TTL passed), with the reason."""
+        now = time.time()
+        live: set[str] = set()
+        dead: list[tuple[str, str]] = []
+        for sid in self.on_disk():
+            rec = self.load(sid)
+            if self.owns(sid) or (rec is not None and rec.owner_alive() and not rec.expired(now)):
+                live.add(sid)
+            elif rec is None and _younger_than(self.sdir(sid).path, CREATING_GRACE_S, now):
+                live.add(sid)
+            else:
+                dead.append((sid, "TTLExpired" if rec is not None and rec.expired(now)
+                             else "OwnerDied"))
+        return live, dead
+
+
+def _younger_than(path: Path, seconds: float, now: float) -> bool:
+    try:
+        return now - path.stat().st_mtime < seconds
+    except FileNotFoundError:
+        return True  # removed meanwhile: nothing left to collect
