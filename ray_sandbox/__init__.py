@@ -23,7 +23,7 @@ _RUNTIME = ("DOCKER_DEFAULT_CAPABILITIES", "EgressPolicy", "ExecResult", "Output
 _LAZY = {name: "ray_sandbox.runtime" for name in _RUNTIME} | {
     name: "ray_sandbox.actor"
     for name in (
-        "create", "create_from_template", "get", "list", "shutdown",
+        "create", "create_from_template", "create_many", "get", "list", "shutdown",
         "fork", "restore", "resume", "delete_snapshot", "branching_rollout",
         "SandboxHandle", "SandboxPool", "SandboxTemplate", "Snapshot", "RolloutTree",
         "make_template",

@@ -15,9 +15,13 @@ from tests.fx_runtime import leftovers
 @pytest.fixture(scope="module")
 def ray_home(tmp_path_factory, default_image, busybox_image):
     home = tmp_path_factory.mktemp("rsb-ray")
-    old = {k: os.environ.get(k) for k in ("RAY_SANDBOX_HOME", "RAY_SANDBOX_IMAGES")}
+    old = {k: os.environ.get(k) for k in ("RAY_SANDBOX_HOME", "RAY_SANDBOX_IMAGES",
+                                          "RAY_SANDBOX_BLOCK_IDLE_S")}
     os.environ["RAY_SANDBOX_IMAGES"] = str(images())
     os.environ["RAY_SANDBOX_HOME"] = str(home)
+    # idle blocks are given back within seconds (default 10), so tests that check a freed
+    # reservation need not wait that long; tests/test_blocks.py checks the blocks themselves
+    os.environ["RAY_SANDBOX_BLOCK_IDLE_S"] = "2"
     yield home
     for k, v in old.items():
         if v is None:

@@ -4,6 +4,7 @@ from ..runtime.snapshot import Snapshot
 from .api import (
     create,
     create_from_template,
+    create_many,
     delete_snapshot,
     fork,
     get,
@@ -26,6 +27,7 @@ __all__ = [
     "branching_rollout",
     "create",
     "create_from_template",
+    "create_many",
     "delete_snapshot",
     "fork",
     "get",

@@ -4,21 +4,26 @@
 from __future__ import annotations
 
 import builtins
+import logging
 from collections.abc import Mapping
 from typing import Any, Literal
 
 import ray
 
 from ..runtime.config import SandboxConfig
-from ..runtime.errors import ConfigError, SandboxNotFoundError
+from ..runtime.errors import BatchCreateError, ConfigError, SandboxError, SandboxNotFoundError
 from ..runtime.snapshot import Snapshot
 from . import copies
+from .admission import admit
 from .copies import delete_snapshot
 from .handle import SandboxHandle
-from .host import NAME_LABEL, NAMESPACE, current_job
-from .hosts import all_hosts, ask_hosts, call_host, forget_hosts
-from .placement import Placement, reserve
+from .host import NAME_LABEL, NAMESPACE
+from .hosts import all_hosts, ask_hosts, forget_hosts
+from .placement import Placement
+from .routing import router
 from .template import SandboxTemplate, make_template
+
+log = logging.getLogger(__name__)
 
 
 def create(
@@ -41,41 +46,87 @@ def create(
     ConfigError naming it. They apply over ``config`` or ``template`` when given. Through Ray
     the root is writable by default, capped by ``disk="4Gi"``.
 
-    Its CPU, memory and ``resources`` are reserved in Ray (a placement group), so placement,
-    queueing when the cluster is full (waits up to ``timeout`` seconds, forever by default,
-    saying what it waits for) and the autoscaler all see it. By default the sandbox dies
-    with the job that created it; ``lifetime="detached"`` lets it outlive the driver.
-    ``name`` makes it findable with :func:`get`; with ``get_if_exists`` an existing one of
-    that name is returned.
+    Its CPU, memory and ``resources`` are reserved in Ray (a slot of its node host's block, or
+    its own placement group when it has to wait for room), so placement, queueing when the
+    cluster is full (waits up to ``timeout`` seconds, forever by default, saying what it waits
+    for; then CapacityError naming what is missing) and the autoscaler all see it. By default
+    the sandbox dies with the job that created it; ``lifetime="detached"`` lets it outlive the
+    driver. ``name`` makes it findable with :func:`get`; with ``get_if_exists`` an existing one
+    of that name is returned.
     """
-    if lifetime not in (None, "detached"):
-        raise ConfigError("lifetime must be None or 'detached'")
+    _check_lifetime(lifetime)
     if name and get_if_exists:
         try:
             return get(name, namespace=namespace)
         except SandboxNotFoundError:
             pass
+    return create_from_template(_template(image, config, template, options), name=name,
+                                namespace=namespace, lifetime=lifetime, timeout=timeout)
+
+
+def _check_lifetime(lifetime: str | None) -> None:
+    if lifetime not in (None, "detached"):
+        raise ConfigError("lifetime must be None or 'detached'")
+
+
+def _template(image: str | None, config: SandboxConfig | None,
+              template: SandboxTemplate | None, options: dict[str, Any]) -> SandboxTemplate:
     if config is not None:
         if template is not None:
             raise ConfigError("give config= or template=, not both")
         template = SandboxTemplate(config=config)
     if image is not None:
         options["image"] = image
-    t = make_template(template, **options)
-    return create_from_template(t, name=name, namespace=namespace, lifetime=lifetime,
-                                timeout=timeout)
+    return make_template(template, **options)
 
 
 def create_from_template(
     t: SandboxTemplate, *, name: str | None = None, namespace: str | None = None,
     lifetime: str | None = None, timeout: float | None = None,
 ) -> SandboxHandle:
-    pg_hex, node = reserve(t.bundle, node_id=t.node_id, label_selector=t.label_selector,
-                           name=name, namespace=namespace, lifetime=lifetime, timeout=timeout)
-    job = current_job()
-    host, sid = call_host(node, lambda h: h.create.remote(
-        t.config, pg_hex, name, lifetime == "detached", owner_job=job), pg_hex)
-    return SandboxHandle(sid, host, name=name, node_id=node)
+    result = admit(t, 1, name=name, namespace=namespace, lifetime=lifetime, timeout=timeout)[0]
+    if isinstance(result, SandboxError):
+        raise result
+    return result
+
+
+def create_many(
+    n: int,
+    image: str | None = None,
+    *,
+    config: SandboxConfig | None = None,
+    template: SandboxTemplate | None = None,
+    lifetime: Literal["detached"] | None = None,
+    timeout: float | None = None,
+    allow_partial: bool = False,
+    **options: Any,
+) -> builtins.list[SandboxHandle]:
+    """``n`` sandboxes at once, options as for :func:`create`. They are spread over nodes by
+    the free slots their hosts advertise, with one call per node (no Ray operation per
+    sandbox); what no node has room for waits as pending Ray demand, up to ``timeout``.
+
+    All or nothing by default: if any fails, the others are deleted and BatchCreateError
+    raised, its ``errors`` mapping each failed index to its error. ``allow_partial=True``
+    returns the handles that were made (their order kept) and logs the failures instead.
+    """
+    if not isinstance(n, int) or n < 1:
+        raise ConfigError(f"n must be a positive int, got {n!r}")
+    t = _template(image, config, template, options)
+    _check_lifetime(lifetime)
+    results = admit(t, n, lifetime=lifetime, timeout=timeout)
+    errors = {i: r for i, r in enumerate(results) if isinstance(r, SandboxError)}
+    made = [r for r in results if isinstance(r, SandboxHandle)]
+    if not errors:
+        return made
+    first = next(iter(errors.values()))
+    if allow_partial:
+        log.warning("create_many: %d of %d sandboxes failed; first: %s", len(errors), n, first)
+        return made
+    ray.get([sb.terminate.remote() for sb in made])
+    err = BatchCreateError(f"{len(errors)} of {n} sandboxes failed (the {len(made)} made "
+                           f"were deleted); first: {first}")
+    err.errors = errors
+    raise err
 
 
 # --- snapshots, copies, suspension ------------------------------------------------------------
@@ -136,8 +187,10 @@ def shutdown() -> int:
     for h in all_hosts():  # also those that did not answer in time
         ray.kill(h, no_restart=True)
     forget_hosts()
+    router.forget()
     return sum(n for _, n in answered)
 
 
-__all__ = ["create", "create_from_template", "delete_snapshot", "fork", "get", "list", "restore",
+__all__ = ["create", "create_from_template", "create_many", "delete_snapshot", "fork", "get",
+           "list", "restore",
            "resume", "shutdown", "NAMESPACE"]

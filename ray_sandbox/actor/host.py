@@ -1,10 +1,12 @@
 """SandboxHost: one Ray actor per node that runs that node's sandboxes.
 
 A Ray worker process per sandbox would cost ~1 s to start and ~100 MB each; instead each node
-has one host actor (``num_cpus=0``, threaded) that embeds a :class:`SandboxRuntime`, while each
-sandbox's CPU/memory/custom resources are reserved in Ray by its own placement group. The host
-watches those placement groups: when one disappears (its driver exited, or it was removed) the
-sandbox is deleted, and when a sandbox ends (delete, TTL) its placement group is removed.
+has one host actor (``num_cpus=0``, threaded) that embeds a :class:`SandboxRuntime`. Each
+sandbox's CPU/memory/custom resources are reserved in Ray: as a slot of one of the host's
+blocks (``blocks``: no GCS call per sandbox), or as its own placement group when a caller had
+to wait for room (``placement``). A sandbox dies with the job that created it (one job-table
+read per second for the whole node) or when its reservation is removed; when it ends (delete,
+TTL) its slot is freed or its placement group removed.
 
 A host with nothing left to run (no sandbox, no create in flight, no snapshot it owns) retires
 after ``RAY_SANDBOX_HOST_IDLE_S`` seconds (default 60): Ray counts a node with a live actor as
@@ -19,7 +21,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -29,7 +33,9 @@ from ..runtime import SandboxRuntime
 from ..runtime.agent.client import AgentProcess
 from ..runtime.config import SandboxConfig
 from ..runtime.errors import (
+    CapacityError,
     HostRetiringError,
+    SandboxCreationError,
     SandboxError,
     SandboxNotFoundError,
     SandboxStateError,
@@ -37,6 +43,7 @@ from ..runtime.errors import (
 from ..runtime.results import ExecResult, SandboxState, SandboxStatus
 from ..runtime.snapshot import Snapshot, SnapshotDir
 from . import metrics
+from .blocks import Block, Blocks, Shape, sweep_dead_nodes
 from .placement import PG_LABEL, bundle_label, pg_gone, release_reaped, remove_pg
 from .transfer import SnapshotImports, fetch, rechunk
 
@@ -44,18 +51,23 @@ NAMESPACE = "ray_sandbox"
 NAME_LABEL = "ray-sandbox/name"
 SUSPENDED_LABEL = "ray-sandbox/suspended"  # snapshot label: id of the sandbox it suspends
 _WATCH_INTERVAL = 1.0
-_PG_SWEEP = 60.0
+_BOOT_PARALLEL = 16  # sandboxes booting at once on one host; more only queue in the kernel
 
 log = logging.getLogger(__name__)
 
 
-def _idle_limit() -> float:
-    raw = os.environ.get("RAY_SANDBOX_HOST_IDLE_S", "60")
+def _seconds_env(name: str, default: float) -> float:
+    raw = os.environ.get(name, str(default))
     try:
         return float(raw)
     except ValueError:
-        log.warning("RAY_SANDBOX_HOST_IDLE_S=%r is not a number; using 60", raw)
-        return 60.0
+        log.warning("%s=%r is not a number; using %g", name, raw, default)
+        return default
+
+
+def _sweep_interval() -> float:
+    """How often reservations are checked one by one (removed by hand, a dead node's)."""
+    return _seconds_env("RAY_SANDBOX_PG_SWEEP_S", 60.0)
 
 
 def current_job() -> str:
@@ -87,8 +99,11 @@ class SandboxHost:
         self._closing = False
         self._retiring = False
         self._idle_since = time.monotonic()
-        self._idle_limit = _idle_limit()
+        self._idle_limit = _seconds_env("RAY_SANDBOX_HOST_IDLE_S", 60.0)
         self._idle = threading.Condition(self._lock)
+        self._boots = threading.BoundedSemaphore(_BOOT_PARALLEL)
+        self._blocks = Blocks(self.node_id, Path(self._rt.home) / "blocks",
+                              idle_s=_seconds_env("RAY_SANDBOX_BLOCK_IDLE_S", 10.0))
         release_reaped(self._rt)  # a restarted host: the dead incarnation's sandboxes
         threading.Thread(target=self._watch, name="ray-sandbox-pg-watch", daemon=True).start()
 
@@ -99,25 +114,74 @@ class SandboxHost:
 
     def create(self, config: SandboxConfig, pg_hex: str, name: str | None,
                detached: bool, owner_job: str | None = None) -> str:
+        """A sandbox under the caller's own reservation ``pg_hex`` (one that waited for room
+        as pending Ray demand); the reservation is removed when the sandbox ends."""
+        return self._start(pg_hex, None if detached else owner_job,
+                           lambda: self._boot(config, pg_hex, name))
+
+    def create_many(self, config: SandboxConfig, bundle: Mapping[str, float], k: int,
+                    detached: bool, owner_job: str | None = None, name: str | None = None,
+                    ) -> tuple[list[str | SandboxError], dict[Shape, int]]:
+        """Up to ``k`` sandboxes in this node's blocks, booted in parallel. Returns each one's
+        id or error, in order (CapacityError for those the node has no room for), and the
+        free slots this host advertises afterwards."""
+        self._check_open()
+        try:
+            slots = self._blocks.take(bundle, k)
+        except CapacityError as exc:
+            return [exc] * k, self._blocks.free_slots()
+        job = None if detached else owner_job
+
+        def one(pg_hex: str) -> str | SandboxError:
+            try:
+                return self._start(pg_hex, job, lambda: self._boot(config, pg_hex, name))
+            except SandboxError as exc:
+                return exc
+            except Exception as exc:  # noqa: BLE001 - reported with the others, not raised
+                return SandboxCreationError(f"{type(exc).__name__}: {exc}")
+
+        with ThreadPoolExecutor(max_workers=min(len(slots), _BOOT_PARALLEL)) as ex:
+            results: list[str | SandboxError] = list(ex.map(one, slots))
+        missing = k - len(slots)
+        results += [CapacityError(f"node {self.node_id} had room for {len(slots)} of {k}")
+                    ] * missing
+        return results, self._blocks.free_slots()
+
+    def _boot(self, config: SandboxConfig, pg_hex: str, name: str | None) -> str:
         labels = {**config.labels, PG_LABEL: pg_hex}
         if name:
             labels[NAME_LABEL] = name
         t0 = time.perf_counter()
-        sid = self._start(pg_hex, None if detached else owner_job, lambda: self._rt.create(
-            config.model_copy(update={"labels": labels}), detach=False))
+        with self._boots:
+            sid = self._rt.create(config.model_copy(update={"labels": labels}), detach=False)
         metrics.observe_create(time.perf_counter() - t0)
         return sid
+
+    def blocks(self) -> list[Block]:
+        """This host's blocks: placement group, shape, size, slots used."""
+        return self._blocks.reserved()
+
+    def _check_open(self) -> None:
+        if self._retiring:  # the caller keeps its reservation and asks a fresh host
+            raise HostRetiringError(f"the sandbox host on {self.node_id} is retiring")
+        if self._closing:
+            raise SandboxStateError(f"the sandbox host on {self.node_id} is shutting down")
+
+    def _release(self, pg_hex: str) -> None:
+        """Free a sandbox's reservation: its block slot, or its own placement group."""
+        if self._blocks.owns(pg_hex):
+            self._blocks.give(pg_hex)
+        else:
+            remove_pg(pg_hex)
 
     def _start(self, pg_hex: str, owner_job: str | None, start: Callable[[], str]) -> str:
         """``start()`` a sandbox under the reservation ``pg_hex`` and adopt it. Counted in
         flight so ``shutdown`` can wait for it; refused once shutting down. The reservation
         is released if the sandbox never comes up."""
         with self._lock:
-            if self._retiring:  # the caller keeps its reservation and asks a fresh host
-                raise HostRetiringError(f"the sandbox host on {self.node_id} is retiring")
-            if self._closing:
-                remove_pg(pg_hex)
-                raise SandboxStateError(f"the sandbox host on {self.node_id} is shutting down")
+            if self._closing and not self._retiring:  # a retiring host's caller keeps it
+                self._release(pg_hex)
+            self._check_open()
             self._inflight += 1
         try:
             sid = start()
@@ -129,7 +193,7 @@ class SandboxHost:
             metrics.set_live(self.node_id, n)
             return sid
         except BaseException:
-            remove_pg(pg_hex)
+            self._release(pg_hex)
             raise
         finally:
             with self._lock:
@@ -148,7 +212,7 @@ class SandboxHost:
                 for key in [k for k in self._procs if k.startswith(sandbox_id)]:
                     self._procs.pop(key).close()
             if pg_hex:
-                remove_pg(pg_hex)
+                self._release(pg_hex)
             metrics.set_live(self.node_id, len(self._pgs))
 
     def shutdown(self, timeout: float = 60.0) -> int:
@@ -163,14 +227,17 @@ class SandboxHost:
                 self.delete(sid)
             except SandboxError:
                 pass
+        self._blocks.release_all()
         return len(ids)
 
     def _watch(self) -> None:
-        """Ends sandboxes whose owner is gone. Each second: one job-table read for all of
-        this node's sandboxes (a job's sandboxes die with it). Every ``_PG_SWEEP`` seconds:
-        each sandbox's placement group (removed by hand, or a detached owner's). One GCS call
-        per sandbox per second would saturate the GCS at ~6-7k sandboxes (docs/scale.md)."""
-        next_sweep = time.monotonic() + _PG_SWEEP
+        """Ends sandboxes whose owner is gone and gives back idle blocks. Each second: one
+        job-table read for all of this node's sandboxes (a job's sandboxes die with it).
+        Every ``RAY_SANDBOX_PG_SWEEP_S`` seconds (60): each distinct reservation (removed
+        by hand, or a detached owner's) and the blocks of dead nodes. One GCS call per
+        sandbox per second would saturate the GCS at ~6-7k sandboxes (docs/scale.md)."""
+        every = _sweep_interval()
+        next_sweep = time.monotonic() + every
         while True:
             time.sleep(_WATCH_INTERVAL)
             with self._lock:
@@ -178,23 +245,29 @@ class SandboxHost:
                 jobs = dict(self._jobs)
             live = set(self._rt.list())
             dead_jobs = _dead_jobs() if jobs else set()
-            sweep = time.monotonic() >= next_sweep
-            if sweep:
-                next_sweep = time.monotonic() + _PG_SWEEP
+            gone: set[str] = set()
+            if time.monotonic() >= next_sweep:
+                next_sweep = time.monotonic() + every
+                gone = {pg for pg in {pg for _, pg in items} if pg_gone(pg)}
+                sweep_dead_nodes()
             if self._retire_if_idle():
                 return
+            self._blocks.shrink()
             for sid, pg_hex in items:
                 if sid not in live:  # ended by its TTL
                     with self._lock:
                         self._pgs.pop(sid, None)
                         self._jobs.pop(sid, None)
-                    remove_pg(pg_hex)
-                elif jobs.get(sid) in dead_jobs or (sweep and pg_gone(pg_hex)):
+                    self._release(pg_hex)
+                elif jobs.get(sid) in dead_jobs or pg_hex in gone:
                     log.info("the owner of %s is gone; deleting the sandbox", sid)
                     try:
                         self.delete(sid)
                     except SandboxError:
                         pass
+            for pg_hex in gone:  # a block removed by hand: its sandboxes went above
+                if self._blocks.owns(pg_hex):
+                    self._blocks.drop(pg_hex)
 
     def _retire_if_idle(self) -> bool:
         """Leave once idle for the idle limit, so the node can be scaled down."""
@@ -214,6 +287,7 @@ class SandboxHost:
                 self._idle_since = now
                 return False
             self._retiring = True
+        self._blocks.release_all()
         log.info("idle for %.0fs: the sandbox host on %s retires", self._idle_limit,
                  self.node_id)
         ray.get_runtime_context().current_actor.__ray_terminate__.remote()

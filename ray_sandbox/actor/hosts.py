@@ -39,12 +39,13 @@ def forget_hosts() -> None:
         _hosts.clear()
 
 
-def call_host(node_id: str, call: Callable[[Any], ray.ObjectRef], pg_hex: str) -> tuple[Any, Any]:
-    """``ray.get(call(host))`` on the host of ``node_id``, which holds the reservation
-    ``pg_hex``; returns (host, result). A host that is retiring, or that retired after this
-    process cached its handle, is replaced by a fresh one and the call repeated. On any
-    other failure the reservation is released (the host releases it itself when the call
-    reached it; this covers a host that died) and the error raised."""
+def call_host(node_id: str, call: Callable[[Any], ray.ObjectRef],
+              pg_hex: str | None = None) -> tuple[Any, Any]:
+    """``ray.get(call(host))`` on the host of ``node_id``; returns (host, result). A host
+    that is retiring, or that retired after this process cached its handle, is replaced by a
+    fresh one and the call repeated. On any other failure the caller's reservation
+    ``pg_hex``, if any, is released (the host releases it itself when the call reached it;
+    this covers a host that died) and the error raised."""
     delay = 0.05
     for attempt in range(_CALL_ATTEMPTS):
         host = host_for_node(node_id, fresh=attempt > 0)
@@ -54,14 +55,19 @@ def call_host(node_id: str, call: Callable[[Any], ray.ObjectRef], pg_hex: str) -
             # A dead host on a live node retired (a crashed one restarts instead).
             retry = isinstance(exc, HostRetiringError) or node_alive(node_id)
             if not retry or attempt == _CALL_ATTEMPTS - 1:
-                remove_pg(pg_hex)
+                _release(pg_hex)
                 raise
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
         except BaseException:
-            remove_pg(pg_hex)
+            _release(pg_hex)
             raise
     raise AssertionError("unreachable")
+
+
+def _release(pg_hex: str | None) -> None:
+    if pg_hex:
+        remove_pg(pg_hex)
 
 
 def all_hosts() -> list[Any]:

@@ -1,6 +1,8 @@
-"""Ray reservations for sandboxes: each sandbox holds a one-bundle placement group with its
-CPU, memory and custom resources, so Ray's scheduler, its queueing and the autoscaler see it.
-Also what a copy of a snapshot reserves, and on which node."""
+"""Ray reservations for sandboxes: a sandbox's CPU, memory and custom resources are a bundle of
+a placement group, so Ray's scheduler, its queueing and the autoscaler see it. Most sandboxes
+take a slot of their host's block (``blocks``); this module reserves the one-bundle placement
+group of a sandbox no block has room for (it waits as pending demand), and of a copy of a
+snapshot, and removes reservations."""
 
 from __future__ import annotations
 
@@ -20,13 +22,13 @@ from ray.util.placement_group import (
 
 from ..runtime import SandboxRuntime
 from ..runtime.config import SandboxConfig
-from ..runtime.errors import ConfigError, SandboxCreationError, SandboxError
+from ..runtime.errors import CapacityError, ConfigError, SandboxError
 from ..runtime.snapshot import Snapshot
 from .template import SandboxTemplate
 
 PG_LABEL = "ray-sandbox/placement-group"  # sandbox label: the hex id of its reservation
 BUNDLE_LABEL = "ray-sandbox/bundle"  # snapshot label: the source's Ray reservation (JSON)
-_NODE_ID_LABEL = "ray.io/node-id"  # every Ray node carries it
+NODE_ID_LABEL = "ray.io/node-id"  # every Ray node carries it
 
 Placement = str  # "local" (the snapshot's node), "any" (Ray decides) or a node id
 
@@ -57,7 +59,7 @@ def reserve(
         if not node_alive(node_id):
             raise ConfigError(f"no live Ray node {node_id}")
         # The node-id label, not the node:<ip> resource: nodes may share an address.
-        selector[_NODE_ID_LABEL] = node_id
+        selector[NODE_ID_LABEL] = node_id
     pg = placement_group(
         [bundle],
         strategy="STRICT_PACK",
@@ -72,7 +74,7 @@ def reserve(
         raise
     if not ready:
         remove_pg(pg.id.hex())
-        raise SandboxCreationError(
+        raise CapacityError(
             f"no node could reserve {bundle} within {timeout}s: {_shortfall(bundle)}"
         )
     return pg.id.hex(), placement_group_table(pg)["bundles_to_node_id"][0]

@@ -21,11 +21,13 @@ import ray
 
 from ..runtime.errors import SandboxError
 from . import metrics
+from .admission import admit
 from .api import create_from_template
 from .handle import SandboxHandle
 from .template import SandboxTemplate, make_template
 
-_REPLENISH_IN_FLIGHT = 4
+_BATCH_MAX = 64  # sandboxes asked for in one replenishment round
+_ROOM_WAIT_S = 10.0  # a full cluster: wait this long (pending demand), then ask again
 _PRUNE_INTERVAL = 1.0
 
 log = logging.getLogger(__name__)
@@ -46,40 +48,45 @@ class _PoolActor:
         self._creating = 0
         self.hits = 0
         self.misses = 0
-        # Several creates in flight: one at a time warms only ~2 sandboxes/s per pool.
         self._workers = [
-            threading.Thread(target=self._replenish, name=f"pool-replenish-{i}", daemon=True)
-            for i in range(min(size, _REPLENISH_IN_FLIGHT))
+            threading.Thread(target=self._replenish, name="pool-replenish", daemon=True),
+            threading.Thread(target=self._prune_loop, name="pool-prune", daemon=True),
         ]
-        self._workers.append(threading.Thread(target=self._prune_loop, name="pool-prune",
-                                              daemon=True))
         for t in self._workers:
             t.start()
 
     def _replenish(self) -> None:
+        """Keeps ``size`` sandboxes warm. Each shortfall is created as one batch, all in
+        flight at once (one call per node, into the hosts' blocks): one create at a time
+        warmed ~2 sandboxes/s per pool."""
         while True:
             with self._lock:
                 while not self._closed and len(self._warm) + self._creating >= self.size:
                     self._lock.wait(timeout=1.0)
                 if self._closed:
                     return
-                self._creating += 1
+                want = min(self.size - len(self._warm) - self._creating, _BATCH_MAX)
+                self._creating += want
             try:
-                sb = create_from_template(self.template)
-            except Exception as exc:  # noqa: BLE001 - e.g. cluster full, a node died: retry
+                results = admit(self.template, want, timeout=_ROOM_WAIT_S)
+            except Exception as exc:  # noqa: BLE001 - e.g. a node died mid-call: retry
                 log.warning("pool replenishment failed: %s", exc)
-                sb = None
+                results = []
+            made = [r for r in results if isinstance(r, SandboxHandle)]
             with self._lock:
-                self._creating -= 1
+                self._creating -= want
                 closed = self._closed
-                if sb is not None and not closed:
-                    self._warm.append(sb)
+                if not closed:
+                    self._warm.extend(made)
                 self._lock.notify_all()
-            if sb is None:
-                time.sleep(1.0)  # e.g. cluster full: try again later
-            elif closed:  # close() ran while this one was being created
-                ray.get(sb.terminate.remote())
+            if closed:  # close() ran while these were being created
+                ray.get([sb.terminate.remote() for sb in made])
                 return
+            if len(made) < want:
+                errors = [r for r in results if not isinstance(r, SandboxHandle)]
+                log.warning("pool: %d of %d sandboxes not created (%s); retrying",
+                            want - len(made), want, errors[0] if errors else "no result")
+                time.sleep(1.0)  # e.g. cluster full: try again later
 
     def _prune_loop(self) -> None:
         while True:

@@ -16,6 +16,8 @@
     │   ├── ImageInUseError           pinned by a live sandbox: not removed
     │   └── ImageBusyError            (also TimeoutError) its lock was held past the timeout
     ├── SandboxCreationError          a sandbox could not be created (nothing is left behind)
+    │   ├── CapacityError             no room for it (a node, or the cluster within timeout=)
+    │   └── BatchCreateError          some sandboxes of a create_many failed (.errors per index)
     ├── SandboxNotFoundError          unknown or already deleted sandbox id
     │   └── SnapshotNotFoundError     unknown, deleted or orphaned snapshot id
     ├── SandboxStateError             operation not allowed in the sandbox's current state
@@ -62,6 +64,8 @@ __all__ = [
     "ImageCorruptError",
     "StoreFullError",
     "SandboxCreationError",
+    "CapacityError",
+    "BatchCreateError",
     "SandboxNotFoundError",
     "SandboxStateError",
     "SnapshotNotFoundError",
@@ -178,6 +182,18 @@ class StoreFullError(ImageError):
 
 class SandboxCreationError(SandboxError):
     """A sandbox could not be created; nothing of it was left behind."""
+
+
+class CapacityError(SandboxCreationError):
+    """No room for the sandbox: on a node (the caller tries another) or, within ``timeout=``,
+    anywhere in the cluster; the message says what is missing."""
+
+
+class BatchCreateError(SandboxCreationError):
+    """Some sandboxes of a ``create_many`` failed; ``errors`` maps each failed index to its
+    error. The ones that were made are deleted (nothing is left behind)."""
+
+    errors: dict[int, SandboxError]
 
 
 class SandboxNotFoundError(SandboxError, KeyError):
