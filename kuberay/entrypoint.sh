@@ -7,15 +7,25 @@ set -uo pipefail
 
 log() { printf '[entrypoint] %s\n' "$*" >&2; }
 
-# Each idle sandbox holds ~28 host threads (docs/scale.md); the kernel default pid_max of 32768
-# caps a node at ~1,100 sandboxes. On the kernels GKE ships (< 6.14) pid_max is node-wide; from
-# 6.14 it is per PID namespace, and this raises ours. Never lowered. RAY_SANDBOX_PID_MAX
-# overrides the target.
+# Each idle sandbox holds ~56 host tasks (runsc's threads and ptrace stubs plus a kernel thread
+# for its disk; docs/scale.md, "Density"), each a PID and one of kernel.threads-max. The kernel
+# default pid_max of 32768 caps a node at ~600 sandboxes. threads-max (RAM / 128 KiB by
+# default, ~900k on this pool's nodes) binds after memory for idle sandboxes, but each guest
+# process adds ~9 tasks (ptrace): 1,000 sandboxes running ~100 processes each reach it. On the
+# kernels GKE ships (< 6.14) pid_max is node-wide; from 6.14 it is per PID namespace, and this
+# raises ours; threads-max is always node-wide. Never lowered. RAY_SANDBOX_PID_MAX overrides
+# the target of both. `ray-sandbox doctor` (node-init.sh, and the line logged below) names the
+# limit that binds.
 want_pids=${RAY_SANDBOX_PID_MAX:-4194304}
-if [ "$(cat /proc/sys/kernel/pid_max)" -lt "$want_pids" ]; then
-  echo "$want_pids" > /proc/sys/kernel/pid_max \
-    || log "cannot raise kernel.pid_max: set it on the node (docs/kuberay.md)"
-fi
+raise_sysctl() {  # raise_sysctl NAME: /proc/sys/kernel/NAME to at least $want_pids
+  local f=/proc/sys/kernel/$1
+  if [ "$(cat "$f")" -lt "$want_pids" ]; then
+    echo "$want_pids" > "$f" || log "cannot raise kernel.$1: set it on the node (docs/kuberay.md)"
+  fi
+}
+raise_sysctl pid_max
+raise_sysctl threads-max
+COLUMNS=1000 ray-sandbox doctor 2>/dev/null | grep -E '^\S+ +ceiling ' >&2 || true
 
 # cgroup v2 (GKE's default node image): the container sees its own cgroup as the root, and a
 # cgroup with processes in it cannot hand controllers to children ("no internal processes").

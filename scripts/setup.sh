@@ -106,12 +106,18 @@ else
   log "no Python >= 3.12: $HARBOR_VENV not built; tests/test_harbor.py will be skipped"
 fi
 
-# Each sandbox holds ~28 host threads plus ~9 per guest process (ptrace), all out of the
-# node's pid_max: a stock 32768 stops a node near 1,100 idle sandboxes and makes
-# pids_limit="auto" small (docs/security.md). Raise it to the kernel's maximum.
-if [ "$(cat /proc/sys/kernel/pid_max)" -lt 4194304 ]; then
-  log "raising kernel.pid_max to 4194304 (was $(cat /proc/sys/kernel/pid_max))"
-  sysctl -q -w kernel.pid_max=4194304 || log "could not raise kernel.pid_max (in a container?)"
-fi
+# Each idle sandbox holds ~56 host tasks (runsc's threads, its ptrace stubs, a kernel thread for
+# its disk; docs/scale.md, "Density") plus ~9 per guest process (ptrace), every one a PID out of
+# the node's pid_max and one of kernel.threads-max: a stock pid_max of 32768 stops a node near
+# 600 idle sandboxes and makes pids_limit="auto" small (docs/security.md). threads-max (RAM /
+# 128 KiB, 192730 here: ~3,400 idle sandboxes, after memory's ~1,400) can bind first for busy ones:
+# 1,000 sandboxes running ~15 guest processes each. Raise both to the kernel's pid maximum
+# (never lower them); `ray-sandbox doctor` reports the ceiling and which limit sets it.
+for knob in pid_max threads-max; do
+  if [ "$(cat /proc/sys/kernel/$knob)" -lt 4194304 ]; then
+    log "raising kernel.$knob to 4194304 (was $(cat /proc/sys/kernel/$knob))"
+    sysctl -q -w kernel.$knob=4194304 || log "could not raise kernel.$knob (in a container?)"
+  fi
+done
 
 log "ready: runsc $(runsc --version | awk '/runsc version/{print $3}'), python $("$VENV/bin/python" -V 2>&1)"
