@@ -1,6 +1,6 @@
 """One entry point for every benchmark: run some (or all), then chart every saved result.
 
-    .venv/bin/python -m benchmarks [runtime ray images network snapshot scale soak] [--quick]
+    .venv/bin/python -m benchmarks [runtime ray images network snapshot scale blocks soak] [--quick]
     .venv/bin/python -m benchmarks --chart-only
 
 Each benchmark prints its table and saves ``benchmarks/out/<name>.json``; this then renders
@@ -22,6 +22,7 @@ MODULES = {
     "network": "benchmarks.bench_network",
     "snapshot": "benchmarks.bench_snapshot",
     "scale": "benchmarks.bench_scale",
+    "blocks": "benchmarks.bench_blocks",
     "soak": "benchmarks.soak",
 }
 

@@ -1,9 +1,9 @@
 """Inputs of the 100k-sandbox capacity model (docs/scale.md), measured on this node.
 
     .venv/bin/python -m benchmarks.bench_scale [--quick] [--nodes 8] [--idle 100] [--reps 3]
-                                               [--only throughput,density,ray,control,images]
+                                   [--only throughput,density,density-ray,ray,control,images]
 
-Five sections, each with its baseline in the same run where one exists:
+Six sections, each with its baseline in the same run where one exists:
 
 - throughput: create → exec ``/bin/true`` → delete cycles through ``SandboxRuntime`` at 1/4/8
   in flight, next to the same cycle on bare runsc (``runsc run --detach`` of a sleep bundle,
@@ -11,6 +11,11 @@ Five sections, each with its baseline in the same run where one exists:
 - density: RAM per idle busybox sandbox, from the MemAvailable delta with N idle sandboxes
   (system-wide, so other engineers' load is in it) and from the PSS of their runsc processes
   (ours only); host threads per sandbox (``kernel.pid_max`` is a per-node ceiling).
+- density-ray: ``--idle`` N idle busybox sandboxes through ``ray_sandbox.create()`` on a local
+  one-node Ray, all answering exec, then deleted with no leftovers: PSS and host tasks per
+  sandbox (runsc processes and their ptrace stubs), and the ceiling ``ray-sandbox doctor``
+  predicts next to the one this run's figures give. The issue-17 row is
+  ``--only density-ray --idle 1000 --reps 1``.
 - ray: ``ray_sandbox.create`` → exec → terminate through Ray (placement group + host actor) at
   1/8 in flight on a local one-node Ray, and how fast a ``SandboxPool`` warms.
 - control: a local GCS with ``--nodes`` simulated raylets (``ray.cluster_utils.Cluster``, no real
@@ -246,6 +251,84 @@ def density(rt: SandboxRuntime, n: int, reps: int) -> list[dict]:
         "pss_mib_per_sandbox_median": round(statistics.median(per_pss) / mib, 2),
         "pss_mib_per_sandbox_runs": [round(x / mib, 2) for x in per_pss],
         "host_threads_per_sandbox_median": round(statistics.median(per_threads), 1),
+    }]
+
+
+def _node_tasks() -> int:
+    """Tasks (threads) on the whole node: /proc/loadavg's running/total."""
+    return int(Path("/proc/loadavg").read_text().split()[3].split("/")[1])
+
+
+def density_ray(tmp: Path, n: int, reps: int) -> list[dict]:
+    """N idle busybox sandboxes through ``ray_sandbox.create()`` (16 calls in flight) on a
+    local one-node Ray: PSS and host tasks per sandbox from /proc (``doctor.runsc_usage``),
+    the MemAvailable and node-wide task deltas, and the ceiling ``doctor`` predicts, with its
+    measured constants and with this run's figures. Every sandbox must answer exec and leave
+    nothing behind."""
+    import ray
+
+    import ray_sandbox as sandbox
+    from ray_sandbox.runtime import paths
+    from ray_sandbox.runtime.doctor import IDLE_SANDBOX, ceiling, node_limits, runsc_usage
+    from tests.fx_runtime import leftovers
+
+    home = tmp / "density-home"
+    env = {"RAY_SANDBOX_HOME": str(home), "RAY_SANDBOX_IMAGES": str(paths.images())}
+    cpu, memory = 0.1, 32 * 2**20  # cpu 0.1: lower quotas throttle the boot itself
+    ray.init(address="local", num_cpus=int(n * cpu) + 4, _memory=n * memory + 2**31,
+             include_dashboard=False, log_to_driver=False, _temp_dir=str(tmp / "ray-density"),
+             runtime_env={"env_vars": env})
+    opts = {"image": BUSYBOX, "cpu": cpu, "memory": memory}
+    per_pss, per_tasks, per_node_tasks, per_mem, rates = [], [], [], [], []
+    try:
+        warm = sandbox.create(**opts)  # starts the node's host actor outside the deltas
+        ray.get(warm.terminate.remote())
+        for _ in range(reps):
+            predicted = ceiling(node_limits())
+            mem0, tasks0 = _mem_available(), _node_tasks()
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(16) as ex:
+                sbs = list(ex.map(lambda _: sandbox.create(**opts), range(n)))
+            rates.append(n / (time.perf_counter() - t0))
+            try:
+                with ThreadPoolExecutor(16) as ex:
+                    outs = list(ex.map(lambda sb: ray.get(sb.exec.remote("echo ok")), sbs))
+                if sum(r.exit_code == 0 and r.stdout == "ok\n" for r in outs) != n:
+                    raise RuntimeError(f"not all {n} idle sandboxes answered exec")
+                time.sleep(5)  # let lazily faulted pages and the page cache settle
+                usage = runsc_usage(home / "runsc")
+                per_pss.append(usage.pss / n)
+                per_tasks.append(usage.tasks / n)
+                per_mem.append((mem0 - _mem_available()) / n)
+                per_node_tasks.append((_node_tasks() - tasks0) / n)
+            finally:
+                with ThreadPoolExecutor(16) as ex:
+                    list(ex.map(lambda sb: ray.get(sb.terminate.remote()), sbs))
+            left = leftovers(home, {sb.sandbox_id for sb in sbs})
+            if left:
+                raise RuntimeError(f"leftovers after deleting {n}: {left}")
+    finally:
+        sandbox.shutdown()
+        ray.shutdown()
+    mib = 2**20
+    # the ceiling again with this run's medians in place of doctor's constants (+1 task:
+    # the disk's ext4 kernel thread, which /proc of the runsc processes does not show)
+    measured = IDLE_SANDBOX._replace(tasks=statistics.median(per_tasks) + 1,
+                                     memory=max(1, int(statistics.median(per_mem))))
+    now = node_limits()
+    from_run = ceiling(now, measured)
+    return [{
+        "label": f"{n} idle busybox via create() (cpu {cpu}, 32Mi, disk 4Gi, all exec ok, "
+                 "no leftovers)",
+        "n": n,
+        "reps": reps,
+        "creates_per_s": round(statistics.median(rates), 2),
+        "pss_mib_each": round(statistics.median(per_pss) / mib, 2),
+        "runsc_tasks_each": round(statistics.median(per_tasks), 1),
+        "node_tasks_delta_each": round(statistics.median(per_node_tasks), 1),
+        "memavailable_delta_mib_each": round(statistics.median(per_mem) / mib, 2),
+        "doctor_ceiling": f"{predicted.sandboxes} ({predicted.limit})",
+        "ceiling_from_this_run": f"{from_run.sandboxes} ({from_run.limit})",
     }]
 
 
@@ -509,7 +592,7 @@ def images(tmp: Path, reps: int) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", default="throughput,density,ray,control,images")
+    ap.add_argument("--only", default="throughput,density,density-ray,ray,control,images")
     ap.add_argument("--nodes", type=int, default=None, help="simulated raylets (8; quick 4)")
     ap.add_argument("--idle", type=int, default=None, help="idle sandboxes (100; quick 30)")
     ap.add_argument("--reps", type=int, default=None, help="repetitions (3; quick 1)")
@@ -527,6 +610,8 @@ def main() -> None:
                 if "density" in only:
                     rows += density(rt, args.idle or (30 if args.quick else 100),
                                     max(1, reps - 1))
+        if "density-ray" in only:
+            rows += density_ray(tmp, args.idle or (30 if args.quick else 100), max(1, reps - 1))
         if "ray" in only:
             rows += ray_path(tmp, args.quick, reps)
         if "control" in only:
@@ -538,7 +623,8 @@ def main() -> None:
         "and noisy (±30 %). throughput: busybox, network none, ptrace, 64Mi, cpu " + str(CPU)
         + "; the baseline is "
         "bare runsc without agent, overlay or readiness wait. density: MemAvailable is "
-        "system-wide (others' load included); PSS counts only our runsc processes. control: "
+        "system-wide (others' load included); PSS counts only our runsc processes (density-ray: "
+        "and their ptrace stubs; node tasks are system-wide too). control: "
         "simulated raylets on this VM, 1 GCS; bundle " + json.dumps(BUNDLE) + "."))
 
 

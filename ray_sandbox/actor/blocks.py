@@ -38,6 +38,7 @@ from ..runtime.errors import CapacityError
 from .placement import NODE_ID_LABEL, remove_pg
 
 MAX_BLOCK = 64  # bundles per block: one GCS round trip reserves this many sandboxes
+MAX_GROWTH = 16 * MAX_BLOCK  # slots one growth reserves at most (its blocks in parallel)
 _GROW_WAIT_S = 10.0  # a block that fits by the node's free resources is placed in well under
 _NAME_PREFIX = "ray_sandbox:block:"
 
@@ -56,10 +57,12 @@ def fits(free: Mapping[str, float], bundle: Mapping[str, float]) -> int:
     return max(0, min(counts)) if counts else MAX_BLOCK
 
 
-def grow_size(capacity: int, want: int, room: int) -> int:
-    """The size of a new block for a shape that has ``capacity`` slots and needs ``want``
-    more: double the capacity (at least ``want``), at most MAX_BLOCK and ``room`` (pure)."""
-    return max(0, min(MAX_BLOCK, room, max(want, capacity, 1)))
+def grow_sizes(capacity: int, want: int, room: int) -> list[int]:
+    """The blocks to reserve for a shape that has ``capacity`` slots and needs ``want``
+    more: double the capacity (at least ``want``), within ``room`` and MAX_GROWTH, in
+    blocks of at most MAX_BLOCK (pure)."""
+    total = max(0, min(MAX_GROWTH, room, max(want, capacity, 1)))
+    return [min(MAX_BLOCK, total - i) for i in range(0, total, MAX_BLOCK)]
 
 
 @dataclass
@@ -154,25 +157,31 @@ class Blocks:
     # --- growing and giving back -------------------------------------------------------------
 
     def _grow(self, bundle: Mapping[str, float], shape: Shape, want: int) -> bool:
+        """Reserve new blocks for ``shape``, all at once (the GCS places them together);
+        False if the node had room for none."""
         with self._lock:
             capacity = sum(b.size for b in self._blocks.values() if b.shape == shape)
         free = ray._private.state.state.available_resources_per_node().get(self.node_id, {})
-        size = grow_size(capacity, want, fits(free, bundle))
-        if size < 1:
-            return False
-        pg = placement_group([dict(bundle)] * size, strategy="STRICT_PACK",
-                             name=f"{_NAME_PREFIX}{self.node_id}:{uuid.uuid4().hex[:8]}",
-                             bundle_label_selector=[{NODE_ID_LABEL: self.node_id}] * size,
-                             lifetime="detached")
-        pg_hex = pg.id.hex()
-        (self._dir / pg_hex).touch()  # listed before it can be placed: never lost on a crash
-        if not pg.wait(timeout_seconds=_GROW_WAIT_S):  # taken by other work meanwhile
-            self._remove(pg_hex)
-            return False
-        with self._lock:
-            self._blocks[pg_hex] = Block(pg_hex, self.node_id, shape, size)
-        log.info("reserved a block of %d x %s on %s", size, dict(bundle), self.node_id)
-        return True
+        pgs = []
+        for size in grow_sizes(capacity, want, fits(free, bundle)):
+            pg = placement_group([dict(bundle)] * size, strategy="STRICT_PACK",
+                                 name=f"{_NAME_PREFIX}{self.node_id}:{uuid.uuid4().hex[:8]}",
+                                 bundle_label_selector=[{NODE_ID_LABEL: self.node_id}] * size,
+                                 lifetime="detached")
+            (self._dir / pg.id.hex()).touch()  # listed before placed: never lost on a crash
+            pgs.append((pg, size))
+        placed = 0
+        deadline = time.monotonic() + _GROW_WAIT_S
+        for pg, size in pgs:
+            if not pg.wait(timeout_seconds=max(0.0, deadline - time.monotonic())):
+                self._remove(pg.id.hex())  # taken by other work meanwhile
+                continue
+            with self._lock:
+                self._blocks[pg.id.hex()] = Block(pg.id.hex(), self.node_id, shape, size)
+            placed += size
+        if placed:
+            log.info("reserved %d slots of %s on %s", placed, dict(bundle), self.node_id)
+        return placed > 0
 
     def shrink(self) -> int:
         """Give back blocks idle for the idle limit; returns how many."""

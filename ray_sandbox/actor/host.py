@@ -461,6 +461,9 @@ def start_host(node_id: str, home: str | None = None) -> Any:
         max_concurrency=1024,
         max_restarts=-1,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        # every call would send a task event to the GCS: at 100k sandboxes the GCS's main
+        # per-sandbox cost once blocks removed placement groups (benchmarks/bench_blocks.py)
+        enable_task_events=False,
     ).remote(home)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ray_sandbox.actor.blocks import MAX_BLOCK, fits, grow_size, shape_of
+from ray_sandbox.actor.blocks import MAX_BLOCK, MAX_GROWTH, fits, grow_sizes, shape_of
 from ray_sandbox.actor.routing import plan, selector_matches
 
 
@@ -15,13 +15,14 @@ def test_fits_counts_the_scarcest_resource():
     assert fits({"CPU": 0.3}, {"CPU": 0.1}) == 3  # no float rounding down to 2
 
 
-def test_a_new_block_doubles_capacity_within_the_room():
-    assert grow_size(capacity=0, want=1, room=10) == 1
-    assert grow_size(capacity=4, want=1, room=10) == 4
-    assert grow_size(capacity=4, want=7, room=10) == 7
-    assert grow_size(capacity=4, want=1, room=2) == 2
-    assert grow_size(capacity=500, want=500, room=1000) == MAX_BLOCK
-    assert grow_size(capacity=4, want=1, room=0) == 0
+def test_growth_doubles_capacity_within_the_room_in_blocks():
+    assert grow_sizes(capacity=0, want=1, room=10) == [1]
+    assert grow_sizes(capacity=4, want=1, room=10) == [4]
+    assert grow_sizes(capacity=4, want=7, room=10) == [7]
+    assert grow_sizes(capacity=4, want=1, room=2) == [2]
+    assert grow_sizes(capacity=0, want=150, room=1000) == [MAX_BLOCK, MAX_BLOCK, 22]
+    assert sum(grow_sizes(capacity=5000, want=1, room=10**6)) == MAX_GROWTH
+    assert grow_sizes(capacity=4, want=1, room=0) == []
 
 
 def test_shapes_ignore_key_order():
