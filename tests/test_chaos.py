@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -406,7 +407,9 @@ def test_sigkill_of_driver_deletes_its_sandboxes(chaos_cluster, ray_home):
     proc = subprocess.Popen([sys.executable, "-c", DRIVER, cluster.address],
                             stdout=subprocess.PIPE, text=True)
     try:
-        sid = proc.stdout.readline().strip()
+        # Ray may print its own messages first (e.g. the death of an earlier test's node)
+        sid = next((line.strip() for line in proc.stdout
+                    if re.fullmatch(r"[0-9a-f]{32}", line.strip())), "")
         assert len(sid) == 32, sid
         assert (ray_home / "sandboxes" / sid).exists()
         os.kill(proc.pid, signal.SIGKILL)

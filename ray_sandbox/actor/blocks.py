@@ -2,7 +2,8 @@
 
 A placement group per sandbox costs the GCS 1.15–2.65 ms of CPU per lifecycle, one GCS for
 the whole cluster (docs/scale.md). Instead each host reserves *blocks*: one placement group
-of N equal bundles (one sandbox shape: CPU, memory, custom resources) pinned to its own node.
+with one bundle of N times a sandbox shape (CPU, memory, custom resources) pinned to its own
+node; the GCS's work is per bundle, so a block costs it what one sandbox did.
 A sandbox takes a free slot of its shape with no GCS call; a shape without a free slot grows
 a new block, doubling that shape's capacity (at most ``MAX_BLOCK`` bundles, at most what the
 node has free); a block nobody uses for ``RAY_SANDBOX_BLOCK_IDLE_S`` seconds (10) is given back.
@@ -37,7 +38,7 @@ from ray.util.placement_group import placement_group, placement_group_table
 from ..runtime.errors import CapacityError
 from .placement import NODE_ID_LABEL, remove_pg
 
-MAX_BLOCK = 64  # bundles per block: one GCS round trip reserves this many sandboxes
+MAX_BLOCK = 64  # sandboxes per block: one GCS round trip and one bundle reserve them
 MAX_GROWTH = 16 * MAX_BLOCK  # slots one growth reserves at most (its blocks in parallel)
 _GROW_WAIT_S = 10.0  # a block that fits by the node's free resources is placed in well under
 _NAME_PREFIX = "ray_sandbox:block:"
@@ -150,6 +151,12 @@ class Blocks:
         with self._lock:
             return pg_hex in self._blocks
 
+    def shape(self, pg_hex: str) -> dict[str, float] | None:
+        """One slot's resources in block ``pg_hex`` (None: not a block of this host)."""
+        with self._lock:
+            b = self._blocks.get(pg_hex)
+        return dict(b.shape) if b else None
+
     def reserved(self) -> list[Block]:
         with self._lock:
             return [Block(**vars(b)) for b in self._blocks.values()]
@@ -164,9 +171,10 @@ class Blocks:
         free = ray._private.state.state.available_resources_per_node().get(self.node_id, {})
         pgs = []
         for size in grow_sizes(capacity, want, fits(free, bundle)):
-            pg = placement_group([dict(bundle)] * size, strategy="STRICT_PACK",
+            pg = placement_group([{k: v * size for k, v in bundle.items()}],
+                                 strategy="STRICT_PACK",
                                  name=f"{_NAME_PREFIX}{self.node_id}:{uuid.uuid4().hex[:8]}",
-                                 bundle_label_selector=[{NODE_ID_LABEL: self.node_id}] * size,
+                                 bundle_label_selector=[{NODE_ID_LABEL: self.node_id}],
                                  lifetime="detached")
             (self._dir / pg.id.hex()).touch()  # listed before placed: never lost on a crash
             pgs.append((pg, size))

@@ -312,7 +312,8 @@ class SandboxHost:
         reserve the same. Owned by this host unless ``detach``."""
         with self._lock:
             pg_hex = self._pgs.get(sandbox_id)
-        extra = {**(labels or {}), **(bundle_label(pg_hex) if pg_hex else {})}
+        extra = {**(labels or {}),
+                 **(bundle_label(pg_hex, self._blocks.shape(pg_hex)) if pg_hex else {})}
         snap = self._rt.snapshot(sandbox_id, labels=extra, detach=detach)
         snap = snap.model_copy(update={"node_id": self.node_id})
         SnapshotDir(self._rt.snapshots_dir / snap.snapshot_id).write(snap)

@@ -146,10 +146,13 @@ def release_reaped(rt: SandboxRuntime) -> None:
             remove_pg(pg_hex)
 
 
-def bundle_label(pg_hex: str) -> dict[str, str]:
-    """The snapshot label that carries the reservation ``pg_hex`` to copies."""
-    bundles = (placement_group_table(_pg(pg_hex)) or {}).get("bundles") or {}
-    return {BUNDLE_LABEL: json.dumps(next(iter(bundles.values())))} if bundles else {}
+def bundle_label(pg_hex: str, bundle: Mapping[str, float] | None = None) -> dict[str, str]:
+    """The snapshot label that carries a sandbox's reservation to copies: ``bundle`` (a block
+    slot's), else the bundle of its own placement group ``pg_hex``."""
+    if bundle is None:
+        bundles = (placement_group_table(_pg(pg_hex)) or {}).get("bundles") or {}
+        bundle = next(iter(bundles.values()), None)
+    return {BUNDLE_LABEL: json.dumps(dict(bundle))} if bundle else {}
 
 
 def copy_bundle(snap: Snapshot) -> dict[str, float]:
