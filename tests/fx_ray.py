@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -57,3 +61,39 @@ def ray_cluster(ray_home, ray_metrics_port):
 def host_pid(ray, host) -> int:
     """The PID of a sandbox host actor's process (e.g. ``sb._host``)."""
     return ray.get(host.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
+
+
+@contextmanager
+def homes_cluster(homes: list[Path], env: dict[str, str] | None = None,
+                  node_args: list[dict[str, Any]] | None = None) -> Iterator[Any]:
+    """A local multi-node ``ray.cluster_utils.Cluster``, one node per home (the node's
+    processes inherit ``RAY_SANDBOX_HOME``), connected; at the end Ray is shut down, the
+    environment restored, what a killed host left in each home reaped and checked."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    import ray_sandbox
+    from ray_sandbox.runtime import SandboxRuntime
+
+    env = {"RAY_SANDBOX_IMAGES": str(images()), **(env or {})}
+    old = {k: os.environ.get(k) for k in [*env, "RAY_SANDBOX_HOME"]}
+    os.environ.update(env)
+    c = Cluster()
+    try:
+        for home, args in zip(homes, node_args or [{}] * len(homes), strict=True):
+            os.environ["RAY_SANDBOX_HOME"] = str(home)
+            c.add_node(**{"num_cpus": 2, "include_dashboard": False, **args})
+        ray.init(address=c.address, log_to_driver=False)
+        yield c
+        ray_sandbox.shutdown()
+        ray.shutdown()
+    finally:
+        c.shutdown()
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    for home in homes:
+        SandboxRuntime(home, reap=True)  # anything a killed host left behind
+        assert leftovers(home) == {}, leftovers(home)

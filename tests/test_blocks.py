@@ -15,12 +15,9 @@ from pathlib import Path
 import pytest
 
 import ray_sandbox as sandbox
-from ray_sandbox.actor import api
 from ray_sandbox.runtime.errors import BatchCreateError, CapacityError
-from ray_sandbox.runtime.paths import images
 from tests.fx_hostile import wait_until
-from tests.fx_ray import host_pid
-from tests.fx_runtime import leftovers
+from tests.fx_ray import homes_cluster, host_pid
 
 RAY_CLI = str(Path(sys.executable).with_name("ray"))
 IDLE_S = 2  # RAY_SANDBOX_BLOCK_IDLE_S here: blocks are given back within seconds
@@ -30,35 +27,12 @@ BUSYBOX = {"image": "ray-sandbox/busybox", "memory": "32Mi"}
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, default_image, busybox_image):
     import ray
-    from ray.cluster_utils import Cluster
-
-    from ray_sandbox.runtime import SandboxRuntime
 
     homes = [tmp_path_factory.mktemp(f"rsb-block{i}") for i in range(2)]
-    env = {"RAY_SANDBOX_IMAGES": str(images()), "RAY_SANDBOX_BLOCK_IDLE_S": str(IDLE_S),
-           "RAY_SANDBOX_PG_SWEEP_S": "2"}
-    old = {k: os.environ.get(k) for k in [*env, "RAY_SANDBOX_HOME"]}
-    os.environ.update(env)
-    c = Cluster()
-    try:
-        for home in homes:
-            os.environ["RAY_SANDBOX_HOME"] = str(home)  # the node's processes inherit it
-            c.add_node(num_cpus=2, object_store_memory=100 * 2**20, include_dashboard=False)
-        ray.init(address=c.address, log_to_driver=False)
-        nodes = [c.head_node.node_id, next(iter(c.worker_nodes)).node_id]
-        yield ray, c, homes, nodes
-        api.shutdown()
-        ray.shutdown()
-    finally:
-        c.shutdown()
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    for home in homes:
-        SandboxRuntime(home, reap=True)  # what the dead node's host left running
-        assert leftovers(home) == {}, leftovers(home)
+    env = {"RAY_SANDBOX_BLOCK_IDLE_S": str(IDLE_S), "RAY_SANDBOX_PG_SWEEP_S": "2"}
+    args = [{"object_store_memory": 100 * 2**20}] * 2
+    with homes_cluster(homes, env, args) as c:
+        yield ray, c, homes, [c.head_node.node_id, next(iter(c.worker_nodes)).node_id]
 
 
 def _blocks(ray, host) -> list[tuple[str, int, int]]:

@@ -14,8 +14,7 @@ import pytest
 from ray_sandbox.actor import api
 from ray_sandbox.actor.rollout import branching_rollout
 from ray_sandbox.runtime import SandboxState
-from ray_sandbox.runtime.paths import images
-from tests.fx_runtime import leftovers
+from tests.fx_ray import homes_cluster
 
 # Written to a temp file and renamed: a read must never see the truncated file (seen in CI).
 COUNTER = ("i=0; while true; do i=$((i+1)); echo $i > /tmp/counter.tmp; "
@@ -25,35 +24,14 @@ COUNTER = ("i=0; while true; do i=$((i+1)); echo $i > /tmp/counter.tmp; "
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, default_image, busybox_image):
     import ray
-    from ray.cluster_utils import Cluster
-
-    from ray_sandbox.runtime import SandboxRuntime
 
     homes = [tmp_path_factory.mktemp(f"rsb-node{i}") for i in range(2)]
-    old = {k: os.environ.get(k) for k in ("RAY_SANDBOX_HOME", "RAY_SANDBOX_IMAGES")}
-    os.environ["RAY_SANDBOX_IMAGES"] = str(images())
-    c = Cluster()
-    try:
-        for i, home in enumerate(homes):
-            os.environ["RAY_SANDBOX_HOME"] = str(home)  # the node's processes inherit it
-            c.add_node(num_cpus=2, resources={f"node{i}": 1},
-                       object_store_memory=150 * 2**20, include_dashboard=False)
-        ray.init(address=c.address, log_to_driver=False)
+    args = [{"resources": {f"node{i}": 1}, "object_store_memory": 150 * 2**20} for i in range(2)]
+    with homes_cluster(homes, node_args=args):
         by_res = {next(r for r in n["Resources"] if r.startswith("node") and r[4:].isdigit()):
                   n["NodeID"] for n in ray.nodes() if n["Alive"]}  # fmt: skip
         yield ray, homes, [by_res["node0"], by_res["node1"]]
-        api.shutdown()
-        ray.shutdown()
-    finally:
-        c.shutdown()
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     for home in homes:
-        SandboxRuntime(home, reap=True)  # anything a killed host left behind
-        assert leftovers(home) == {}, leftovers(home)
         assert list((home / "snapshots").iterdir()) == []
 
 
