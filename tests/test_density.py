@@ -28,7 +28,7 @@ CPU = 0.1
 MEMORY = 32 * 2**20
 OPTS = {"image": "ray-sandbox/busybox", "cpu": CPU, "memory": MEMORY}
 BATCH = 100  # sandboxes per create_many call
-IN_FLIGHT = 16  # create()/exec/terminate calls in flight from the test
+IN_FLIGHT = 16  # exec/terminate calls in flight from the test
 CALL_TIMEOUT = 900  # a hang guard for one Ray call, not a speed assertion
 # A hang guard for the whole test (pytest's default is 300 s): on a quiet 2-core VM the 1,000
 # creates, execs and deletes take several minutes, much longer under other tenants' load.
@@ -53,15 +53,12 @@ def dense_cluster(ray_home):
 
 
 def _create_all(ray, sandbox) -> list:
-    """N sandboxes: ``create_many`` in batches where it exists, else ``create()`` calls."""
-    if hasattr(sandbox, "create_many"):
-        sizes = [min(BATCH, N - i) for i in range(0, N, BATCH)]
-        with ThreadPoolExecutor(2) as ex:
-            batches = list(ex.map(
-                lambda k: sandbox.create_many(k, **OPTS, timeout=CALL_TIMEOUT), sizes))
-        return [sb for b in batches for sb in b]
-    with ThreadPoolExecutor(IN_FLIGHT) as ex:
-        return list(ex.map(lambda _: sandbox.create(**OPTS, timeout=CALL_TIMEOUT), range(N)))
+    """N sandboxes through ``create_many``, in batches, two in flight."""
+    sizes = [min(BATCH, N - i) for i in range(0, N, BATCH)]
+    with ThreadPoolExecutor(2) as ex:
+        batches = list(ex.map(
+            lambda k: sandbox.create_many(k, **OPTS, timeout=CALL_TIMEOUT), sizes))
+    return [sb for b in batches for sb in b]
 
 
 @pytest.mark.timeout(TEST_TIMEOUT)
