@@ -115,15 +115,8 @@ def control(nodes: int, quick: bool, tmp: Path) -> list[dict]:
             ray.get(sb.terminate.remote())
 
         per_sandbox_pg(0)
-        cpu0, t0 = scale._cpu_seconds(gcs), time.perf_counter()
-        with ThreadPoolExecutor(8) as ex:
-            list(ex.map(per_sandbox_pg, range(n_base)))
-        secs = time.perf_counter() - t0
-        rows.append({"label": f"baseline: a placement group per sandbox, create+delete, 8 in "
-                              f"flight ({SIMULATED})", "n": n_base,
-                     "sandboxes_per_s": round(n_base / secs, 1),
-                     "gcs_cpu_ms_per_sandbox":
-                         round((scale._cpu_seconds(gcs) - cpu0) / n_base * 1000, 3)})
+        rows.append(_in_flight_row(gcs, per_sandbox_pg, n_base, "baseline: a placement group "
+                                   f"per sandbox, create+delete, 8 in flight ({SIMULATED})"))
 
         ray.get([h.terminate.remote() for h in sandbox.create_many(8, **opts)])  # warm routes
         # The GCS also works when nobody creates (raylet reports): its idle rate over the
@@ -161,18 +154,20 @@ def control(nodes: int, quick: bool, tmp: Path) -> list[dict]:
         def one(_: int) -> None:
             ray.get(sandbox.create(**opts).terminate.remote())
 
-        n_one = n_base
-        cpu0, t0 = scale._cpu_seconds(gcs), time.perf_counter()
-        with ThreadPoolExecutor(8) as ex:
-            list(ex.map(one, range(n_one)))
-        secs = time.perf_counter() - t0
-        rows.append({"label": f"blocks: create()+delete one at a time, 8 in flight "
-                              f"({SIMULATED})", "n": n_one,
-                     "sandboxes_per_s": round(n_one / secs, 1),
-                     "gcs_cpu_ms_per_sandbox":
-                         round((scale._cpu_seconds(gcs) - cpu0) / n_one * 1000, 4)})
+        rows.append(_in_flight_row(gcs, one, n_base, "blocks: create()+delete one at a time, "
+                                   f"8 in flight ({SIMULATED})"))
         sandbox.shutdown()
     return rows
+
+
+def _in_flight_row(gcs: int, cycle: Any, n: int, label: str) -> dict:
+    """``cycle`` run ``n`` times, 8 in flight: its rate and the GCS's CPU per cycle."""
+    cpu0, t0 = scale._cpu_seconds(gcs), time.perf_counter()
+    with ThreadPoolExecutor(8) as ex:
+        list(ex.map(cycle, range(n)))
+    secs = time.perf_counter() - t0
+    return {"label": label, "n": n, "sandboxes_per_s": round(n / secs, 1),
+            "gcs_cpu_ms_per_sandbox": round((scale._cpu_seconds(gcs) - cpu0) / n * 1000, 4)}
 
 
 def boots(tmp: Path, quick: bool) -> list[dict]:

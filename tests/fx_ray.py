@@ -52,10 +52,15 @@ def ray_cluster(ray_home, ray_metrics_port):
     yield ray
     ray_sandbox.shutdown()
     ray.shutdown()
+    assert_reaped_clean(ray_home)
+
+
+def assert_reaped_clean(home: Path) -> None:
+    """Reap what a killed host left in ``home``, then check nothing of ours is left."""
     from ray_sandbox.runtime import SandboxRuntime
 
-    SandboxRuntime(ray_home, reap=True)  # anything a killed host left behind
-    assert leftovers(ray_home) == {}, leftovers(ray_home)
+    SandboxRuntime(home, reap=True)
+    assert leftovers(home) == {}, leftovers(home)
 
 
 def host_pid(ray, host) -> int:
@@ -73,7 +78,6 @@ def homes_cluster(homes: list[Path], env: dict[str, str] | None = None,
     from ray.cluster_utils import Cluster
 
     import ray_sandbox
-    from ray_sandbox.runtime import SandboxRuntime
 
     env = {"RAY_SANDBOX_IMAGES": str(images()), **(env or {})}
     old = {k: os.environ.get(k) for k in [*env, "RAY_SANDBOX_HOME"]}
@@ -95,5 +99,4 @@ def homes_cluster(homes: list[Path], env: dict[str, str] | None = None,
             else:
                 os.environ[k] = v
     for home in homes:
-        SandboxRuntime(home, reap=True)  # anything a killed host left behind
-        assert leftovers(home) == {}, leftovers(home)
+        assert_reaped_clean(home)

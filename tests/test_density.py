@@ -16,6 +16,7 @@ import pytest
 
 from ray_sandbox.runtime.doctor import IDLE_SANDBOX, ceiling, node_limits, runsc_usage
 from tests.fx_hostile import skip_module_unless_heavy
+from tests.fx_ray import assert_reaped_clean
 from tests.fx_runtime import leftovers
 
 skip_module_unless_heavy()
@@ -41,15 +42,13 @@ def dense_cluster(ray_home):
     import ray
 
     import ray_sandbox
-    from ray_sandbox.runtime import SandboxRuntime
 
     ray.init(num_cpus=int(N * CPU) + 4, _memory=N * MEMORY + 2**31, include_dashboard=False,
              log_to_driver=False, object_store_memory=300 * 2**20)
     yield ray
     ray_sandbox.shutdown()
     ray.shutdown()
-    SandboxRuntime(ray_home, reap=True)  # anything a killed host left behind
-    assert leftovers(ray_home) == {}, leftovers(ray_home)
+    assert_reaped_clean(ray_home)
 
 
 def _create_all(ray, sandbox) -> list:

@@ -1,6 +1,6 @@
 """Host-side client of the in-sandbox agent.
 
-(643 lines and ~39 methods, one cohesive thing: one method per request the agent serves,
+(~650 lines and ~39 methods, one cohesive thing: one method per request the agent serves,
 with its client-side bounds, plus the checkout of pooled connections those requests share;
 framing, argument checks and AgentProcess already live in conn.py, args.py, process.py.)
 
