@@ -305,6 +305,21 @@ def test_concurrent_callers_run_in_parallel(native_agent):
     assert len(handlers) <= 8
 
 
+def _wakeups(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return sum(int(line.split()[1]) for line in f
+                   if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")))
+
+
+def test_idle_agent_does_not_wake(native_agent):
+    """An idle sandbox's init must sleep: a periodic poll, multiplied by 1,000 sandboxes on
+    ptrace, took more than the node's 2 cores (docs/scale.md, "Density")."""
+    native_agent.client.ping()
+    before = _wakeups(native_agent.pid)
+    time.sleep(2.5)  # the old 0.5 s poll woke 5 times in this
+    assert _wakeups(native_agent.pid) - before <= 1
+
+
 def test_socket_deleted_by_user_code_is_recreated(native_agent):
     native_agent.client.exec(["rm", str(native_agent.socket)])
     deadline = time.monotonic() + 5

@@ -15,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/inotify.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -26,7 +27,13 @@
 #define VERSION_STR "rsb-agent/" STR(PROTOCOL_VERSION) "+" RSB_SOURCE_HASH
 #define STR(x) STR_(x)
 #define STR_(x) #x
-#define RECHECK_US 500000 /* how often the socket path is checked for deletion */
+/* An idle sandbox must not wake: under ptrace every wake-up costs several host context
+ * switches, and a 0.5 s poll made 1,000 idle sandboxes need more than 2 cores
+ * (docs/scale.md, "Density"). Deletion of the socket by user code is seen through inotify
+ * (inside gVisor every change made in the sandbox raises its event); the poll below is only
+ * the fallback without inotify, and the backstop against an event that never comes. */
+#define RECHECK_US 500000 /* socket path check without inotify, or while it cannot listen */
+#define BACKSTOP_US 60000000 /* socket path check with inotify */
 #define HOLD_RECHECK_US 2000 /* how often a held listener checks whether the hold ended */
 #define HOLD_NAME "checkpoint.hold"
 
@@ -86,23 +93,27 @@ static void handler(int fd)
     _exit(0);
 }
 
+/* Bound and listening under a temporary name, then renamed into place: a client never finds
+ * a socket at `path` that refuses connections because it is not listening yet. */
 static int listen_at(const char *path, ino_t *ino)
 {
     struct sockaddr_un a = {.sun_family = AF_UNIX};
     struct stat st;
-    if (strlen(path) >= sizeof a.sun_path) {
+    char tmp[PATH_MAX];
+    if (snprintf(tmp, sizeof tmp, "%s.new", path) >= (int)sizeof a.sun_path) {
         errno = ENAMETOOLONG;
         return -1;
     }
-    memcpy(a.sun_path, path, strlen(path) + 1);
+    memcpy(a.sun_path, tmp, strlen(tmp) + 1);
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (fd < 0)
         return -1;
-    if (unlink(path) < 0 && errno != ENOENT) { /* bind reports what is in the way */ }
+    if (unlink(tmp) < 0 && errno != ENOENT) { /* bind reports what is in the way */ }
     if (bind(fd, (struct sockaddr *)&a, sizeof a) < 0 || listen(fd, 256) < 0
-        || stat(path, &st) < 0) {
+        || rename(tmp, path) < 0 || stat(path, &st) < 0) {
         int e = errno;
         close(fd);
+        unlink(tmp);
         errno = e;
         return -1;
     }
@@ -166,6 +177,35 @@ static void ensure_stdio(void)
     }
 }
 
+/* An inotify fd that becomes readable when an entry of the socket's directory is removed,
+ * renamed or created, or the directory itself goes; -1 if inotify is unavailable. The host's
+ * own writes there (the hold file) raise no event inside gVisor: the host connects to wake
+ * the listener instead. */
+static int watch_socket_dir(const char *path)
+{
+    char dir[PATH_MAX];
+    const char *slash = strrchr(path, '/');
+    snprintf(dir, sizeof dir, "%.*s", slash ? (int)(slash - path) + (slash == path) : 1,
+             slash ? path : ".");
+    int fd = inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    if (inotify_add_watch(fd, dir, IN_CREATE | IN_DELETE | IN_MOVED_FROM | IN_MOVED_TO
+                                       | IN_DELETE_SELF | IN_MOVE_SELF | IN_ATTRIB) < 0) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+/* Read every pending event; only their arrival matters. */
+static void drain(int fd)
+{
+    char buf[4096] __attribute__((aligned(__alignof__(struct inotify_event))));
+    while (read(fd, buf, sizeof buf) > 0)
+        ;
+}
+
 static void serve(const char *path)
 {
     /* gVisor does not shield a PID namespace's init from signals sent inside it (Linux
@@ -185,10 +225,13 @@ static void serve(const char *path)
     if (getpid() != 1 && prctl(PR_SET_CHILD_SUBREAPER, 1) < 0)
         log_err("prctl", "PR_SET_CHILD_SUBREAPER");
 
-    int lfd = -1, failed = 0;
+    int lfd = -1, failed = 0, changed = 0;
     ino_t ino = 0;
     int64_t checked = 0;
     hold_path(path, hold, sizeof hold);
+    int ifd = watch_socket_dir(path);
+    if (ifd < 0)
+        log_err("inotify", path); /* not fatal: the socket path is polled instead */
     for (;;) {
         /* gVisor cannot checkpoint a bound host socket: while the host holds a checkpoint
          * (HOLD_NAME next to the socket) the listener is closed and its path removed; the
@@ -201,8 +244,10 @@ static void serve(const char *path)
             lfd = -1;
         }
         int64_t now = now_us();
-        if (!held && (lfd < 0 || now - checked >= RECHECK_US)) {
+        int64_t recheck = ifd >= 0 && lfd >= 0 ? BACKSTOP_US : RECHECK_US;
+        if (!held && (lfd < 0 || changed || now - checked >= recheck)) {
             checked = now;
+            changed = 0;
             if (lfd < 0 || socket_gone(path, ino)) {
                 if (lfd >= 0)
                     close(lfd);
@@ -213,17 +258,21 @@ static void serve(const char *path)
                     failed = 0;
             }
         }
-        struct pollfd p = {.fd = lfd, .events = POLLIN};
-        int64_t wait_us = held ? HOLD_RECHECK_US : RECHECK_US;
+        struct pollfd p[2] = {{.fd = lfd, .events = POLLIN}, {.fd = ifd, .events = POLLIN}};
+        int64_t wait_us = held ? HOLD_RECHECK_US : recheck;
         struct timespec ts = {wait_us / 1000000, (wait_us % 1000000) * 1000};
-        int n = ppoll(&p, 1, &ts, &waitmask);
+        int n = ppoll(p, 2, &ts, &waitmask);
         if (init_sigchld) {
             init_sigchld = 0;
             while (waitpid(-1, NULL, WNOHANG) > 0)
                 ;
         }
+        if (n > 0 && p[1].revents & POLLIN) {
+            drain(ifd);
+            changed = 1;
+        }
         /* A connection may be the host waking us to see a new hold file: check first. */
-        if (n > 0 && p.revents & POLLIN && !checkpoint_held())
+        if (n > 0 && p[0].revents & POLLIN && !checkpoint_held())
             accept_all(lfd);
     }
 }
