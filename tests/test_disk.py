@@ -50,6 +50,24 @@ def test_full_disk_is_enospc_and_the_sandbox_recovers(runtime, where):
     assert leftovers(runtime.home, {sid}) == {}
 
 
+def test_disks_are_private_copies_of_one_template(runtime):
+    """Every disk of a size is copied from one formatted template: what one sandbox writes
+    reaches neither the template nor its neighbour, and each disk stays sparse."""
+    a, b = (runtime.create(image="ray-sandbox/busybox", memory="64Mi", disk="16Mi",
+                           readonly=False) for _ in range(2))
+    template = runtime.home / "disks" / f"ext4-{DISK}.img"
+    try:
+        before = template.read_bytes()
+        assert runtime.exec(a, "echo mine > /mine && sync").exit_code == 0
+        assert runtime.exec(b, "cat /mine").exit_code != 0
+        assert template.read_bytes() == before
+        assert _allocated(runtime.sandboxes_dir / b / "disk.img") < DISK // 2
+    finally:
+        for sid in (a, b):
+            runtime.delete(sid)
+    assert leftovers(runtime.home, {a, b}) == {}
+
+
 def test_only_sandboxes_that_write_to_the_node_disk_get_an_image(runtime):
     """A read-only sandbox without a workdir writes only to tmpfs (bounded by memory): disk=
     sets nothing up for it; without disk= nothing is set up either."""

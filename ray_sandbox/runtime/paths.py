@@ -6,6 +6,7 @@
                  to share one image cache between several homes on a node
     sandboxes/   one directory per live sandbox (see ray_sandbox.runtime.bundle)
     runsc/       runsc's --root state directory
+    disks/       one formatted ext4 image per disk= size, copied into each sandbox's disk
 
 Network state belongs to the node, not to a home: ``/run/ray_sandbox/network``
 (ray_sandbox.runtime.network.settings).
