@@ -33,6 +33,7 @@ Results go to ``benchmarks/out/bench_scale.json`` via the harness.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -254,6 +255,18 @@ def density(rt: SandboxRuntime, n: int, reps: int) -> list[dict]:
     }]
 
 
+IDLE_WINDOW_S = 10.0  # how long idle sandboxes' CPU is summed
+
+
+def _cgroups_cpu_s(ids: list[str]) -> float:
+    """CPU seconds the sandboxes' runsc processes used so far (their cpuacct cgroups)."""
+    total = 0
+    for sid in ids:
+        with contextlib.suppress(OSError):
+            total += int(Path(f"/sys/fs/cgroup/cpuacct/{sid}/cpuacct.usage").read_text())
+    return total / 1e9
+
+
 def _node_tasks() -> int:
     """Tasks (threads) on the whole node: /proc/loadavg's running/total."""
     return int(Path("/proc/loadavg").read_text().split()[3].split("/")[1])
@@ -279,7 +292,7 @@ def density_ray(tmp: Path, n: int, reps: int) -> list[dict]:
              include_dashboard=False, log_to_driver=False, _temp_dir=str(tmp / "ray-density"),
              runtime_env={"env_vars": env})
     opts = {"image": BUSYBOX, "cpu": cpu, "memory": memory}
-    per_pss, per_tasks, per_node_tasks, per_mem, rates = [], [], [], [], []
+    per_pss, per_tasks, per_node_tasks, per_mem, rates, idle_cores = [], [], [], [], [], []
     try:
         warm = sandbox.create(**opts)  # starts the node's host actor outside the deltas
         ray.get(warm.terminate.remote())
@@ -296,6 +309,10 @@ def density_ray(tmp: Path, n: int, reps: int) -> list[dict]:
                 if sum(r.exit_code == 0 and r.stdout == "ok\n" for r in outs) != n:
                     raise RuntimeError(f"not all {n} idle sandboxes answered exec")
                 time.sleep(5)  # let lazily faulted pages and the page cache settle
+                ids = [sb.sandbox_id for sb in sbs]
+                cpu0, t_idle = _cgroups_cpu_s(ids), time.perf_counter()
+                time.sleep(IDLE_WINDOW_S)
+                idle_cores.append((_cgroups_cpu_s(ids) - cpu0) / (time.perf_counter() - t_idle))
                 usage = runsc_usage(home / "runsc")
                 per_pss.append(usage.pss / n)
                 per_tasks.append(usage.tasks / n)
@@ -327,6 +344,8 @@ def density_ray(tmp: Path, n: int, reps: int) -> list[dict]:
         "runsc_tasks_each": round(statistics.median(per_tasks), 1),
         "node_tasks_delta_each": round(statistics.median(per_node_tasks), 1),
         "memavailable_delta_mib_each": round(statistics.median(per_mem) / mib, 2),
+        "idle_cpu_cores_all": round(statistics.median(idle_cores), 3),
+        "idle_cpu_pct_of_core_each": round(statistics.median(idle_cores) / n * 100, 4),
         "doctor_ceiling": f"{predicted.sandboxes} ({predicted.limit})",
         "ceiling_from_this_run": f"{from_run.sandboxes} ({from_run.limit})",
     }]
