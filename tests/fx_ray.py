@@ -16,13 +16,19 @@ from ray_sandbox.runtime.paths import images
 from tests.fx_runtime import leftovers
 
 
+# Tests of the Ray layer run with the hosts' stock off, so that what they count (sandboxes,
+# slots, reservations) is what they made; tests/test_stock.py turns it on.
+STOCK_OFF = "0"
+
+
 @pytest.fixture(scope="module")
 def ray_home(tmp_path_factory, default_image, busybox_image):
     home = tmp_path_factory.mktemp("rsb-ray")
     old = {k: os.environ.get(k) for k in ("RAY_SANDBOX_HOME", "RAY_SANDBOX_IMAGES",
-                                          "RAY_SANDBOX_BLOCK_IDLE_S")}
+                                          "RAY_SANDBOX_BLOCK_IDLE_S", "RAY_SANDBOX_STOCK_MAX")}
     os.environ["RAY_SANDBOX_IMAGES"] = str(images())
     os.environ["RAY_SANDBOX_HOME"] = str(home)
+    os.environ["RAY_SANDBOX_STOCK_MAX"] = STOCK_OFF
     # idle blocks are given back within seconds (default 10), so tests that check a freed
     # reservation need not wait that long; tests/test_blocks.py checks the blocks themselves
     os.environ["RAY_SANDBOX_BLOCK_IDLE_S"] = "2"
@@ -79,7 +85,7 @@ def homes_cluster(homes: list[Path], env: dict[str, str] | None = None,
 
     import ray_sandbox
 
-    env = {"RAY_SANDBOX_IMAGES": str(images()), **(env or {})}
+    env = {"RAY_SANDBOX_IMAGES": str(images()), "RAY_SANDBOX_STOCK_MAX": STOCK_OFF, **(env or {})}
     old = {k: os.environ.get(k) for k in [*env, "RAY_SANDBOX_HOME"]}
     os.environ.update(env)
     c = Cluster()

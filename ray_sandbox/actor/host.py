@@ -45,6 +45,7 @@ from ..runtime.snapshot import Snapshot, SnapshotDir
 from . import metrics
 from .blocks import Block, Blocks, Shape, sweep_dead_nodes
 from .placement import PG_LABEL, bundle_label, pg_gone, release_reaped, remove_pg
+from .stock import Stock
 from .transfer import SnapshotImports, fetch, rechunk
 
 NAMESPACE = "ray_sandbox"
@@ -105,10 +106,19 @@ class SandboxHost:
         self._blocks = Blocks(self.node_id, Path(self._rt.home) / "blocks",
                               idle_s=_seconds_env("RAY_SANDBOX_BLOCK_IDLE_S", 10.0))
         release_reaped(self._rt)  # a restarted host: the dead incarnation's sandboxes
+        self._stock = Stock(self._rt, self._blocks, self.node_id, busy=self._creating)
         threading.Thread(target=self._watch, name="ray-sandbox-pg-watch", daemon=True).start()
 
     def ping(self) -> str:
         return self.node_id
+
+    def stock(self) -> dict[str, int]:
+        """The stock's hits, misses, stocked sandboxes and target (``stock.py``)."""
+        return self._stock.stats()
+
+    def _creating(self) -> bool:
+        with self._lock:
+            return self._inflight > 0
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -126,31 +136,79 @@ class SandboxHost:
         id or error, in order (CapacityError for those the node has no room for), and the
         free slots this host advertises afterwards."""
         self._check_open()
-        try:
-            slots = self._blocks.take(bundle, k)
-        except CapacityError as exc:
-            return [exc] * k, self._blocks.free_slots()
+        stocked: list[tuple[str, str]] = []
+        while len(stocked) < k and (got := self._stock.take(config, bundle)) is not None:
+            stocked.append(got)
+        slots = self._slots(bundle, k - len(stocked))
         job = None if detached else owner_job
 
-        def one(pg_hex: str) -> str | SandboxError:
+        def one(item: tuple[str | None, str]) -> str | SandboxError:
+            sid, pg_hex = item
             try:
-                return self._start(pg_hex, job, lambda: self._boot(config, pg_hex, name))
+                return self._start(pg_hex, job, lambda: self._hand_out(sid, config, pg_hex, name)
+                                   if sid else self._boot(config, pg_hex, name))
             except SandboxError as exc:
                 return exc
             except Exception as exc:  # noqa: BLE001 - reported with the others, not raised
                 return SandboxCreationError(f"{type(exc).__name__}: {exc}")
 
-        with ThreadPoolExecutor(max_workers=min(len(slots), _BOOT_PARALLEL)) as ex:
-            results: list[str | SandboxError] = list(ex.map(one, slots))
-        missing = k - len(slots)
-        results += [CapacityError(f"node {self.node_id} had room for {len(slots)} of {k}")
+        items = stocked + [(None, pg_hex) for pg_hex in slots]
+        results: list[str | SandboxError] = []
+        if items:
+            with ThreadPoolExecutor(max_workers=min(len(items), _BOOT_PARALLEL)) as ex:
+                results = list(ex.map(one, items))
+        missing = k - len(items)
+        results += [CapacityError(f"node {self.node_id} had room for {len(items)} of {k}")
                     ] * missing
-        return results, self._blocks.free_slots()
+        return results, self._advertised()
 
-    def _boot(self, config: SandboxConfig, pg_hex: str, name: str | None) -> str:
+    def _slots(self, bundle: Mapping[str, float], k: int) -> list[str]:
+        """Up to ``k`` block slots; stocked sandboxes of the shape give theirs up to real
+        demand when the node has no other room."""
+        slots: list[str] = []
+        for _ in range(2):
+            if len(slots) == k:
+                break
+            try:
+                slots += self._blocks.take(bundle, k - len(slots))
+            except CapacityError:
+                pass
+            if len(slots) < k and not self._stock.evict(bundle, k - len(slots)):
+                break
+        return slots
+
+    def _advertised(self) -> dict[Shape, int]:
+        """Free slots per shape, a stocked sandbox counted as one (it yields its slot)."""
+        free = self._blocks.free_slots()
+        for shape, n in self._stock.shapes().items():
+            free[shape] = free.get(shape, 0) + n
+        return free
+
+    def _hand_out(self, sid: str, config: SandboxConfig, pg_hex: str, name: str | None) -> str:
+        """A stocked sandbox becomes the caller's; one that cannot be is deleted and the
+        caller gets a fresh boot in its slot."""
+        try:
+            self._rt.personalize(sid, config.model_copy(
+                update={"labels": self._labels(config, pg_hex, name)}))
+            return sid
+        except SandboxError as exc:
+            log.warning("stocked sandbox %s could not be handed out (%s); booting anew",
+                        sid, exc)
+            try:
+                self._rt.delete(sid)
+            except SandboxError:
+                pass
+            return self._boot(config, pg_hex, name)
+
+    @staticmethod
+    def _labels(config: SandboxConfig, pg_hex: str, name: str | None) -> dict[str, str]:
         labels = {**config.labels, PG_LABEL: pg_hex}
         if name:
             labels[NAME_LABEL] = name
+        return labels
+
+    def _boot(self, config: SandboxConfig, pg_hex: str, name: str | None) -> str:
+        labels = self._labels(config, pg_hex, name)
         t0 = time.perf_counter()
         with self._boots:
             sid = self._rt.create(config.model_copy(update={"labels": labels}), detach=False)
@@ -227,6 +285,7 @@ class SandboxHost:
                 self.delete(sid)
             except SandboxError:
                 pass
+        self._stock.close()
         self._blocks.release_all()
         return len(ids)
 
@@ -287,6 +346,7 @@ class SandboxHost:
                 self._idle_since = now
                 return False
             self._retiring = True
+        self._stock.close()
         self._blocks.release_all()
         log.info("idle for %.0fs: the sandbox host on %s retires", self._idle_limit,
                  self.node_id)
@@ -365,7 +425,10 @@ class SandboxHost:
 
     def list(self, labels: dict[str, str] | None = None) -> list[tuple[str, dict[str, str]]]:
         out = []
+        stocked = self._stock.ids()
         for sid in self._rt.list(labels=labels):
+            if sid in stocked:
+                continue
             try:
                 out.append((sid, self._rt.record(sid).config.get("labels", {})))
             except SandboxError:

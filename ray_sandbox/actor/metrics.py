@@ -5,6 +5,8 @@
     ray_sandbox_live             gauge      live sandboxes per node
     ray_sandbox_oom_kills        counter    sandboxes OOM-killed, counted when the host deletes them
     ray_sandbox_pool_acquires    counter    pool acquires, tagged hit=true|false
+    ray_sandbox_stock_takes      counter    creates that asked a host's stock, tagged hit=true|false
+    ray_sandbox_stock            gauge      booted, never-used sandboxes in stock per node
 """
 
 from __future__ import annotations
@@ -41,6 +43,17 @@ def _pool() -> rm.Counter:
     return rm.Counter("ray_sandbox_pool_acquires", "pool acquires", tag_keys=("hit",))
 
 
+@functools.cache
+def _stock_takes() -> rm.Counter:
+    return rm.Counter("ray_sandbox_stock_takes", "creates that asked the stock",
+                      tag_keys=("hit",))
+
+
+@functools.cache
+def _stock() -> rm.Gauge:
+    return rm.Gauge("ray_sandbox_stock", "stocked sandboxes on a node", tag_keys=("node",))
+
+
 def observe_create(seconds: float) -> None:
     _create().observe(seconds)
 
@@ -59,3 +72,11 @@ def count_oom() -> None:
 
 def count_acquire(hit: bool) -> None:
     _pool().inc(tags={"hit": "true" if hit else "false"})
+
+
+def count_stock_take(hit: bool) -> None:
+    _stock_takes().inc(tags={"hit": "true" if hit else "false"})
+
+
+def set_stock(node_id: str, n: int) -> None:
+    _stock().set(n, tags={"node": node_id})

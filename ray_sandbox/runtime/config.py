@@ -4,6 +4,7 @@ pools and integrations. Everything is validated here, before any work is done.""
 from __future__ import annotations
 
 import ipaddress
+import json
 import math
 import os
 import re
@@ -350,6 +351,22 @@ class SandboxConfig(BaseModel):
     @property
     def effective_capabilities(self) -> tuple[str, ...]:
         return DOCKER_DEFAULT_CAPABILITIES if self.capabilities is None else self.capabilities
+
+
+# What a running, never-used sandbox can still take on when it is handed out (the record,
+# the exec defaults, an nft policy): everything else shapes its boot.
+PERSONAL_FIELDS = frozenset({"env", "labels", "ttl_seconds", "timeout_seconds", "user",
+                             "workdir", "egress"})
+
+
+def boot_key(cfg: SandboxConfig) -> str | None:
+    """What a sandbox booted for ``cfg`` shares with every other config of the same key, so
+    that one booted ahead of time can serve it; None if none can (a spec transform is code,
+    a read-only sandbox's workdir is a bind made at boot)."""
+    if cfg.spec_transform is not None or (cfg.readonly and cfg.workdir):
+        return None
+    boot = cfg.model_dump(mode="json", exclude=set(PERSONAL_FIELDS))
+    return json.dumps(boot, sort_keys=True, separators=(",", ":"))
 
 
 def auto_pids_limit(pid_max: int, density: int = PLANNED_DENSITY) -> int:

@@ -18,6 +18,7 @@ import asyncio
 import functools
 import os
 import shutil
+import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -39,7 +40,7 @@ from . import (
 )
 from .agent.client import READ_MAX, AgentClient, AgentProcess
 from .agent.pyrepl import PythonContext, PythonResult
-from .config import MAX_TIMEOUT, EgressPolicy, SandboxConfig, make_config
+from .config import MAX_TIMEOUT, EgressPolicy, SandboxConfig, boot_key, make_config
 from .connections import Connections
 from .errors import (
     ConfigError,
@@ -160,6 +161,43 @@ class SandboxRuntime:
         self.records.adopt(rec)
         if rec.ttl_deadline is not None:
             self._ttl.schedule(rec.sandbox_id, rec.ttl_deadline)
+
+    def personalize(
+        self,
+        sandbox_id: str,
+        config: SandboxConfig | Mapping[str, Any] | None = None,
+        *,
+        detach: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        """Give a running sandbox that nobody has used yet, booted for a config of the same
+        :func:`boot_key`, to a new owner with ``config``: its env, user, labels, TTL,
+        workdir, exec timeout and egress policy become the config's, ``created_at`` is now,
+        and ``detach`` sets its owner as in :meth:`create`. ConfigError if its boot differs.
+        Whether it is unused is the caller's to know (a node host's stock)."""
+        cfg = make_config(config, **kwargs)
+        rec = self.records.get(sandbox_id)
+        old = rec.sandbox_config
+        key = boot_key(cfg)
+        if key is None or key != boot_key(old):
+            raise ConfigError("the sandbox was booted for another configuration",
+                              sandbox_id=sandbox_id)
+        if cfg.workdir:
+            self._client(sandbox_id).mkdir(cfg.workdir, parents=True)
+        if cfg.network in ("public", "sandbox") and cfg.egress != old.egress:
+            self.set_egress(sandbox_id, cfg.egress or EgressPolicy())
+        now = time.time()
+        rec = rec.model_copy(update={
+            "config": cfg.model_dump(mode="json"), "created_at": now,
+            "ttl_deadline": now + cfg.ttl_seconds if cfg.ttl_seconds else None,
+            **owner_fields(detach),
+        })
+        self.records.write(rec)
+        self._adopt(rec)
+
+    def ping(self, sandbox_id: str) -> str:
+        """The agent's version; opens the connection later calls reuse."""
+        return self._client(sandbox_id).ping()
 
     def _expire(self, sandbox_id: str) -> None:
         if self.records.owns(sandbox_id):

@@ -152,3 +152,23 @@ def test_cpu_zero_means_unlimited_like_rays_num_cpus_zero():
 def test_an_unknown_option_is_named_as_unknown():
     with pytest.raises(ConfigError, match="nope: unknown option"):
         make_config(image="x", nope=1)
+
+
+def test_boot_key_ignores_what_a_stocked_sandbox_takes_on_when_handed_out():
+    from ray_sandbox.runtime.config import boot_key
+
+    base = SandboxConfig(image="ray-sandbox/busybox", memory="32Mi", readonly=False)
+    personal = base.model_copy(update={"env": {"A": "1"}, "labels": {"k": "v"},
+                                       "ttl_seconds": 5.0, "user": "1000",
+                                       "workdir": "/w", "timeout_seconds": 9.0})
+    assert boot_key(base) == boot_key(personal) is not None
+    for change in ({"memory": 64 << 20}, {"cpu": 0.5}, {"image": "other"},
+                   {"network": "host"}, {"disk": 1 << 30}, {"readonly": True}):
+        assert boot_key(base.model_copy(update=change)) != boot_key(base), change
+
+
+def test_boot_key_is_none_where_no_booted_sandbox_can_serve():
+    from ray_sandbox.runtime.config import boot_key
+
+    assert boot_key(SandboxConfig(spec_transform=lambda s: s)) is None
+    assert boot_key(SandboxConfig(readonly=True, workdir="/w")) is None

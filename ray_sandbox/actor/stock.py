@@ -1,0 +1,239 @@
+"""A node host's stock: sandboxes booted ahead of time and never used, handed to creates whose
+config boots the same way, so that ``create()`` does not wait for a gVisor boot (~165 ms).
+
+A shelf holds the stock of one boot (``runtime.config.boot_key``: image, limits, network
+mode, …) and one Ray shape. Each miss on a shelf raises its target by one (up to
+``RAY_SANDBOX_STOCK_PER_SHAPE``, 2); a shelf nobody took from for ``RAY_SANDBOX_STOCK_IDLE_S``
+seconds (30) lowers it by one and deletes what is over. All shelves together hold at most
+``RAY_SANDBOX_STOCK_MAX`` sandboxes (8; 0 switches the stock off).
+
+- Each stocked sandbox holds a slot of the host's blocks, so Ray accounts it like any
+  sandbox (``ray status``) and the stock can never take what the node does not have. A
+  create that finds no free slot evicts stocked sandboxes of its shape (:meth:`evict`).
+- Refills boot one sandbox at a time and only while no create is in flight on the host, so
+  the stock never competes with the boots callers wait for.
+- A taken sandbox leaves the stock for good: a sandbox anybody used is never handed out.
+- Stocked sandboxes belong to the host's process: if the host dies they die with it and its
+  next incarnation reaps them, like every other sandbox of the dead host.
+
+What a taken sandbox shows that a fresh one would not: a longer uptime (``/proc/uptime``)
+and the agent's connection handler already running (a fresh sandbox has it after its first
+call). Hostname, environment, ``/tmp``, processes, network identity and seed file are its
+own (docs/ray.md, "Stock").
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from ..runtime import SandboxRuntime
+from ..runtime.config import PERSONAL_FIELDS, SandboxConfig, boot_key
+from ..runtime.errors import CapacityError, SandboxError
+from . import metrics
+from .blocks import Blocks, Shape, shape_of
+from .placement import PG_LABEL
+
+STOCK_LABEL = "ray-sandbox/stock"  # on stocked sandboxes' records, for `ray-sandbox list`
+_TICK_S = 1.0  # how often idle shelves are looked at without a miss to wake the refill
+_RETRY_S = 5.0  # how long a shelf whose refill failed waits before the next try
+
+log = logging.getLogger(__name__)
+
+
+def _int_env(name: str, default: int) -> int:
+    try:
+        return max(0, int(os.environ.get(name, default)))
+    except ValueError:
+        log.warning("%s is not an integer; using %d", name, default)
+        return default
+
+
+def _float_env(name: str, default: float) -> float:
+    try:
+        return max(0.0, float(os.environ.get(name, default)))
+    except ValueError:
+        log.warning("%s is not a number; using %g", name, default)
+        return default
+
+
+@dataclass
+class _Shelf:
+    config: SandboxConfig  # the boot: the caller's config without its personal fields
+    bundle: dict[str, float]
+    target: int = 0
+    ready: list[tuple[str, str]] = field(default_factory=list)  # (sandbox id, block)
+    last_take: float = field(default_factory=time.monotonic)
+    retry_at: float = 0.0
+
+
+class Stock:
+    """The stock of one host. Thread-safe; one refill thread."""
+
+    def __init__(self, rt: SandboxRuntime, blocks: Blocks, node_id: str, *,
+                 busy: Callable[[], bool]) -> None:
+        self._rt = rt
+        self._blocks = blocks
+        self._node_id = node_id
+        self._busy = busy
+        self._per_shape = _int_env("RAY_SANDBOX_STOCK_PER_SHAPE", 2)
+        self._max = _int_env("RAY_SANDBOX_STOCK_MAX", 8)
+        self._idle_s = _float_env("RAY_SANDBOX_STOCK_IDLE_S", 30.0)
+        self._lock = threading.Condition()
+        self._shelves: dict[tuple[str, Shape], _Shelf] = {}
+        self._hits = self._misses = 0
+        self._closed = False
+        if self._max:
+            threading.Thread(target=self._loop, name="ray-sandbox-stock", daemon=True).start()
+
+    # --- callers -----------------------------------------------------------------------------
+
+    def take(self, config: SandboxConfig, bundle: Mapping[str, float]) -> tuple[str, str] | None:
+        """A stocked sandbox booted like ``config`` and its block slot, or None (a miss,
+        which asks for one more on that shelf)."""
+        key = boot_key(config)
+        if key is None or not self._max:
+            return None
+        with self._lock:
+            if self._closed:
+                return None
+            shelf = self._shelves.get((key, shape_of(bundle)))
+            if shelf is None:
+                boot = config.model_copy(update={f: SandboxConfig.model_fields[f].get_default(
+                    call_default_factory=True) for f in PERSONAL_FIELDS})
+                shelf = self._shelves[(key, shape_of(bundle))] = _Shelf(boot, dict(bundle))
+            shelf.last_take = time.monotonic()
+            hit = bool(shelf.ready)
+            if hit:
+                self._hits += 1
+                got = shelf.ready.pop(0)  # the oldest: every one is equally unused
+            else:
+                self._misses += 1
+                shelf.target = min(shelf.target + 1, self._per_shape)
+                self._lock.notify_all()
+        metrics.count_stock_take(hit)
+        self._publish()
+        return got if hit else None
+
+    def evict(self, bundle: Mapping[str, float], k: int) -> int:
+        """Delete up to ``k`` stocked sandboxes of ``bundle``'s shape to free their slots
+        for a create that found none; how many were freed."""
+        shape = shape_of(bundle)
+        gone: list[tuple[str, str]] = []
+        with self._lock:
+            for (_, s), shelf in self._shelves.items():
+                while s == shape and shelf.ready and len(gone) < k:
+                    gone.append(shelf.ready.pop())
+        self._discard(gone)
+        return len(gone)
+
+    def ids(self) -> set[str]:
+        with self._lock:
+            return {sid for shelf in self._shelves.values() for sid, _ in shelf.ready}
+
+    def shapes(self) -> dict[Shape, int]:
+        """Stocked sandboxes per shape."""
+        out: dict[Shape, int] = {}
+        with self._lock:
+            for (_, shape), shelf in self._shelves.items():
+                out[shape] = out.get(shape, 0) + len(shelf.ready)
+        return out
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"hits": self._hits, "misses": self._misses,
+                    "stocked": sum(len(s.ready) for s in self._shelves.values()),
+                    "target": sum(s.target for s in self._shelves.values())}
+
+    def close(self) -> None:
+        """Stop refilling and delete every stocked sandbox (the host retires or shuts down)."""
+        with self._lock:
+            self._closed = True
+            gone = [g for shelf in self._shelves.values() for g in shelf.ready]
+            self._shelves.clear()
+            self._lock.notify_all()
+        self._discard(gone)
+
+    # --- refill ------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                self._lock.wait(_TICK_S)
+                if self._closed:
+                    return
+            self._shrink()
+            while (shelf := self._wanting()) is not None:
+                if self._busy():  # creates in flight: they get the CPU, refill waits
+                    break
+                self._refill(shelf)
+
+    def _wanting(self) -> _Shelf | None:
+        """The emptiest shelf below its target, if the total allows one more."""
+        now = time.monotonic()
+        with self._lock:
+            if self._closed or sum(len(s.ready) for s in self._shelves.values()) >= self._max:
+                return None
+            short = [s for s in self._shelves.values()
+                     if len(s.ready) < s.target and s.retry_at <= now]
+            return min(short, key=lambda s: len(s.ready) - s.target, default=None)
+
+    def _refill(self, shelf: _Shelf) -> None:
+        try:
+            pg_hex = self._blocks.take(shelf.bundle, 1)[0]
+        except CapacityError:
+            shelf.retry_at = time.monotonic() + _RETRY_S  # the node is full: real demand first
+            return
+        try:
+            sid = self._rt.create(shelf.config.model_copy(
+                update={"labels": {PG_LABEL: pg_hex, STOCK_LABEL: "1"}}))
+        except SandboxError as exc:
+            self._blocks.give(pg_hex)
+            shelf.retry_at = time.monotonic() + _RETRY_S
+            log.warning("stock refill failed; next try in %gs: %s", _RETRY_S, exc)
+            return
+        try:
+            self._rt.ping(sid)  # the first call's connection, made now instead of then
+        except SandboxError:
+            self._discard([(sid, pg_hex)])
+            return
+        with self._lock:
+            keep = not self._closed and any(s is shelf for s in self._shelves.values())
+            if keep:
+                shelf.ready.append((sid, pg_hex))
+        if not keep:
+            self._discard([(sid, pg_hex)])
+        self._publish()
+
+    def _shrink(self) -> None:
+        """Shelves idle for the idle time hold one less; empty idle ones go."""
+        now = time.monotonic()
+        gone: list[tuple[str, str]] = []
+        with self._lock:
+            for key, shelf in list(self._shelves.items()):
+                if now - shelf.last_take < self._idle_s:
+                    continue
+                shelf.last_take = now
+                shelf.target = max(0, shelf.target - 1)
+                while len(shelf.ready) > shelf.target:
+                    gone.append(shelf.ready.pop())
+                if not shelf.target:
+                    del self._shelves[key]
+        self._discard(gone)
+
+    def _discard(self, items: list[tuple[str, str]]) -> None:
+        for sid, pg_hex in items:
+            try:
+                self._rt.delete(sid)
+            except SandboxError as exc:
+                log.warning("deleting stocked sandbox %s failed: %s", sid, exc)
+            self._blocks.give(pg_hex)
+        if items:
+            self._publish()
+
+    def _publish(self) -> None:
+        metrics.set_stock(self._node_id, self.stats()["stocked"])
