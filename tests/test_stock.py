@@ -135,6 +135,19 @@ def test_the_stock_keeps_its_bounds_holds_its_slots_and_drains_when_idle(cluster
     assert wait_until(drained, IDLE_S * (PER_SHAPE + 3) + FILL_S, interval=0.5)
 
 
+def test_the_stock_takes_no_more_than_its_share_of_the_node(cluster):
+    """RAY_SANDBOX_STOCK_SHARE (0.25) of the node's 2 CPUs is 0.5: a cpu=1 boot is asked
+    for but never stocked, so the stock cannot keep other Ray work off the node."""
+    ray, _, _ = cluster
+    big = sandbox.create(**{**OPTS, "cpu": 1})
+    try:
+        assert _stock(ray, big)["target"] >= 1  # asked for (it shrinks after IDLE_S)
+        assert not wait_until(lambda: _stock(ray, big)["stocked"] > 0, IDLE_S - 1,
+                              interval=0.25)
+    finally:
+        ray.get(big.terminate.remote(), timeout=60)
+
+
 def test_a_stocked_sandbox_of_a_dead_host_is_never_handed_out(cluster):
     ray, home, _ = cluster
     sb = sandbox.create(**OPTS)

@@ -3,15 +3,17 @@ config boots the same way, so that ``create()`` does not wait for a gVisor boot 
 
 A shelf holds the stock of one boot (``runtime.config.boot_key``: image, limits, network
 mode, …) and one Ray shape. Each miss on a shelf raises its target by one (up to
-``RAY_SANDBOX_STOCK_PER_SHAPE``, 2); a shelf nobody took from for ``RAY_SANDBOX_STOCK_IDLE_S``
+``RAY_SANDBOX_STOCK_PER_SHAPE``, 4); a shelf nobody took from for ``RAY_SANDBOX_STOCK_IDLE_S``
 seconds (30) lowers it by one and deletes what is over. All shelves together hold at most
-``RAY_SANDBOX_STOCK_MAX`` sandboxes (8; 0 switches the stock off).
+``RAY_SANDBOX_STOCK_MAX`` sandboxes (16; 0 switches the stock off) and at most
+``RAY_SANDBOX_STOCK_SHARE`` (0.25) of each resource the node gives Ray (CPU, memory, …):
+the stock must not keep other Ray work off the node.
 
 - Each stocked sandbox holds a slot of the host's blocks, so Ray accounts it like any
   sandbox (``ray status``) and the stock can never take what the node does not have. A
   create that finds no free slot evicts stocked sandboxes of its shape (:meth:`evict`).
-- Refills boot one sandbox at a time and only while no create is in flight on the host, so
-  the stock never competes with the boots callers wait for.
+- Refills boot at most ``_REFILLS`` sandboxes at a time and start only while no create is in
+  flight on the host, so the stock does not compete with the boots callers wait for.
 - A taken sandbox leaves the stock for good: a sandbox anybody used is never handed out.
 - Stocked sandboxes belong to the host's process: if the host dies they die with it and its
   next incarnation reaps them, like every other sandbox of the dead host.
@@ -29,7 +31,10 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+
+import ray
 
 from ..runtime import SandboxRuntime
 from ..runtime.config import PERSONAL_FIELDS, SandboxConfig, boot_key
@@ -41,6 +46,7 @@ from .placement import PG_LABEL
 STOCK_LABEL = "ray-sandbox/stock"  # on stocked sandboxes' records, for `ray-sandbox list`
 _TICK_S = 1.0  # how often idle shelves are looked at without a miss to wake the refill
 _RETRY_S = 5.0  # how long a shelf whose refill failed waits before the next try
+_REFILLS = 2  # refill boots at once: keeps up with a caller that creates back to back
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +73,7 @@ class _Shelf:
     bundle: dict[str, float]
     target: int = 0
     ready: list[tuple[str, str]] = field(default_factory=list)  # (sandbox id, block)
+    booting: int = 0
     last_take: float = field(default_factory=time.monotonic)
     retry_at: float = 0.0
 
@@ -80,9 +87,11 @@ class Stock:
         self._blocks = blocks
         self._node_id = node_id
         self._busy = busy
-        self._per_shape = _int_env("RAY_SANDBOX_STOCK_PER_SHAPE", 2)
-        self._max = _int_env("RAY_SANDBOX_STOCK_MAX", 8)
+        self._per_shape = _int_env("RAY_SANDBOX_STOCK_PER_SHAPE", 4)
+        self._max = _int_env("RAY_SANDBOX_STOCK_MAX", 16)
         self._idle_s = _float_env("RAY_SANDBOX_STOCK_IDLE_S", 30.0)
+        share = min(1.0, _float_env("RAY_SANDBOX_STOCK_SHARE", 0.25))
+        self._budget = {k: v * share for k, v in _node_resources(node_id).items()}
         self._lock = threading.Condition()
         self._shelves: dict[tuple[str, Shape], _Shelf] = {}
         self._hits = self._misses = 0
@@ -161,28 +170,52 @@ class Stock:
     # --- refill ------------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        while True:
-            with self._lock:
-                self._lock.wait(_TICK_S)
-                if self._closed:
-                    return
-            self._shrink()
-            while (shelf := self._wanting()) is not None:
-                if self._busy():  # creates in flight: they get the CPU, refill waits
-                    break
-                self._refill(shelf)
+        with ThreadPoolExecutor(_REFILLS, thread_name_prefix="ray-sandbox-refill") as pool:
+            while True:
+                with self._lock:
+                    self._lock.wait(_TICK_S)
+                    if self._closed:
+                        return
+                self._shrink()
+                # creates in flight get the CPU: refills start only between them
+                while not self._busy() and (shelf := self._wanting()) is not None:
+                    pool.submit(self._refill, shelf)
 
     def _wanting(self) -> _Shelf | None:
-        """The emptiest shelf below its target, if the total allows one more."""
+        """The emptiest shelf below its target, counted as booting one more, if the refills
+        in flight, the total and the node share allow one more."""
         now = time.monotonic()
         with self._lock:
-            if self._closed or sum(len(s.ready) for s in self._shelves.values()) >= self._max:
+            shelves = self._shelves.values()
+            held = [(s.bundle, len(s.ready) + s.booting) for s in shelves]
+            if (self._closed or sum(s.booting for s in shelves) >= _REFILLS
+                    or sum(n for _, n in held) >= self._max):
                 return None
-            short = [s for s in self._shelves.values()
-                     if len(s.ready) < s.target and s.retry_at <= now]
-            return min(short, key=lambda s: len(s.ready) - s.target, default=None)
+            short = [s for s in shelves if len(s.ready) + s.booting < s.target
+                     and s.retry_at <= now and self._affordable(held, s.bundle)]
+            shelf = min(short, key=lambda s: len(s.ready) + s.booting - s.target, default=None)
+            if shelf is not None:
+                shelf.booting += 1
+            return shelf
+
+    def _affordable(self, held: list[tuple[dict[str, float], int]],
+                    bundle: Mapping[str, float]) -> bool:
+        """Whether one more ``bundle`` keeps the stock within its share of the node."""
+        for res, amount in bundle.items():
+            total = amount + sum(b.get(res, 0.0) * n for b, n in held)
+            if amount > 0 and total > self._budget.get(res, 0.0) + 1e-9:
+                return False
+        return True
 
     def _refill(self, shelf: _Shelf) -> None:
+        try:
+            self._boot_one(shelf)
+        finally:
+            with self._lock:
+                shelf.booting -= 1
+                self._lock.notify_all()
+
+    def _boot_one(self, shelf: _Shelf) -> None:
         try:
             pg_hex = self._blocks.take(shelf.bundle, 1)[0]
         except CapacityError:
@@ -237,3 +270,11 @@ class Stock:
 
     def _publish(self) -> None:
         metrics.set_stock(self._node_id, self.stats()["stocked"])
+
+
+def _node_resources(node_id: str) -> dict[str, float]:
+    """What the node gives Ray, by resource (one GCS read when the host starts)."""
+    for n in ray.nodes():
+        if n.get("NodeID") == node_id:
+            return {k: float(v) for k, v in n.get("Resources", {}).items()}
+    return {}
