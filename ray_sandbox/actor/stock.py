@@ -47,6 +47,7 @@ STOCK_LABEL = "ray-sandbox/stock"  # on stocked sandboxes' records, for `ray-san
 _TICK_S = 1.0  # how often idle shelves are looked at without a miss to wake the refill
 _RETRY_S = 5.0  # how long a shelf whose refill failed waits before the next try
 _REFILLS = 2  # refill boots at once: keeps up with a caller that creates back to back
+_CLOSE_WAIT_S = 60.0  # how long close() waits for refills in flight (a boot takes < 1 s)
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ class Stock:
         self._budget = {k: v * share for k, v in _node_resources(node_id).items()}
         self._lock = threading.Condition()
         self._shelves: dict[tuple[str, Shape], _Shelf] = {}
-        self._hits = self._misses = 0
+        self._hits = self._misses = self._booting = 0
         self._closed = False
         if self._max:
             threading.Thread(target=self._loop, name="ray-sandbox-stock", daemon=True).start()
@@ -159,13 +160,18 @@ class Stock:
                     "target": sum(s.target for s in self._shelves.values())}
 
     def close(self) -> None:
-        """Stop refilling and delete every stocked sandbox (the host retires or shuts down)."""
+        """Stop refilling and delete every stocked sandbox, those still booting included once
+        they are up (the host retires or shuts down)."""
         with self._lock:
             self._closed = True
             gone = [g for shelf in self._shelves.values() for g in shelf.ready]
             self._shelves.clear()
             self._lock.notify_all()
         self._discard(gone)
+        with self._lock:
+            if not self._lock.wait_for(lambda: not self._booting, _CLOSE_WAIT_S):
+                log.warning("%d stock refills still booting after %gs; the next host reaps "
+                            "them", self._booting, _CLOSE_WAIT_S)
 
     # --- refill ------------------------------------------------------------------------------
 
@@ -196,6 +202,7 @@ class Stock:
             shelf = min(short, key=lambda s: len(s.ready) + s.booting - s.target, default=None)
             if shelf is not None:
                 shelf.booting += 1
+                self._booting += 1
             return shelf
 
     def _affordable(self, held: list[tuple[dict[str, float], int]],
@@ -213,6 +220,7 @@ class Stock:
         finally:
             with self._lock:
                 shelf.booting -= 1
+                self._booting -= 1
                 self._lock.notify_all()
 
     def _boot_one(self, shelf: _Shelf) -> None:
