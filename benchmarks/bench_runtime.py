@@ -3,7 +3,8 @@
     .venv/bin/python -m benchmarks.bench_runtime [--quick] [--hardening]
 
 Rows: create→ready and delete (ours: SandboxRuntime; baseline: ``runsc run --detach`` of a
-sleep bundle + ``runsc delete``), what ``disk=`` adds to a writable-root create and delete (and
+sleep bundle + ``runsc delete``), delete → nothing left (the background teardown done), what
+``disk=`` adds to a writable-root create and delete (and
 its mkfs.ext4 + loop + mount alone), what the hardening settings cost (``directfs=False``, and
 the mknod seccomp filter ``capabilities=[]`` brings; ``--hardening`` runs only these), exec
 ``true`` (agent vs one ``runsc exec`` per command), 1 KiB file read/write (agent vs ``runsc
@@ -24,7 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from benchmarks._harness import BARE_RUNSC, emit, measure, summarize
-from ray_sandbox.runtime import SandboxRuntime, _mount, disk
+from ray_sandbox.runtime import SandboxRuntime, _mount, disk, procfs
+
+_TEARDOWN_GUARD_S = 60.0
 
 
 def _baseline_bundle(rt: SandboxRuntime, sid: str, tmp: Path) -> Path:
@@ -38,9 +41,29 @@ def _baseline_bundle(rt: SandboxRuntime, sid: str, tmp: Path) -> Path:
     return b
 
 
+def _until_torn_down(rt: SandboxRuntime, sid: str) -> float:
+    """Wait for the background teardown of a deleted sandbox (its tombstone goes last) and
+    return when it ended (``perf_counter``), once checked that nothing of it is left: no
+    runsc process or state, mount, cgroup or files (a network is detached before that)."""
+    deadline = time.monotonic() + _TEARDOWN_GUARD_S
+    while rt.records.read_tombstone(sid) is not None:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"teardown of {sid} not done after {_TEARDOWN_GUARD_S:g}s")
+        time.sleep(0.001)
+    ended = time.perf_counter()
+    sdir = rt.sandboxes_dir / sid
+    left = [*procfs.cgroup_dirs(sid), *_mount.mounts_under(sdir), *rt.runsc.root.glob(f"*{sid}*"),
+            *(pid for pid, args in rt.runsc.processes().items() if any(sid in a for a in args)),
+            *([sdir] if sdir.exists() else [])]
+    if left:
+        raise RuntimeError(f"left after the teardown of {sid}: {left}")
+    return ended
+
+
 def _disk_rows(rt: SandboxRuntime, tmp: Path, n: int, size: str = "1Gi") -> list[dict]:
-    """Writable-root create→ready and delete without and with ``disk=``, alternated so load
-    from elsewhere on the machine hits both alike; then the disk setup on its own."""
+    """Writable-root create→ready, delete and delete → nothing left, without and with
+    ``disk=``, alternated so load from elsewhere on the machine hits both alike; then the
+    disk setup on its own."""
     samples: dict[str, list[float]] = {}
     for i in range(n + 1):  # the first round is warmup
         for label, extra in (("", {}), (f", disk={size}", {"disk": size})):
@@ -50,11 +73,14 @@ def _disk_rows(rt: SandboxRuntime, tmp: Path, n: int, size: str = "1Gi") -> list
             t1 = time.perf_counter()
             rt.delete(sid)
             t2 = time.perf_counter()
+            t3 = _until_torn_down(rt, sid)
             if i:
                 samples.setdefault(f"create→ready readonly=False{label} (ours)", []).append(
                     (t1 - t0) * 1000)
                 samples.setdefault(f"delete readonly=False{label} (ours)", []).append(
                     (t2 - t1) * 1000)
+                samples.setdefault(f"delete → nothing left{label} (ours)", []).append(
+                    (t3 - t1) * 1000)
     rows = [summarize(label, ms) for label, ms in samples.items()]
     size_b = 1 << 30
     image, mnt = tmp / "disk.img", tmp / "disk"

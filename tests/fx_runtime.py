@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,6 +44,17 @@ def leftovers(rt_home: Path, ids: set[str] = frozenset()) -> dict[str, list[str]
                      if str(rt_home) in line]
     out["loops"] = loops_backed_by(rt_home)
     return {k: v for k, v in out.items() if v}
+
+
+def leftovers_after_teardown(rt_home: Path, ids: set[str] = frozenset(),
+                             timeout: float = 60.0) -> dict[str, list[str]]:
+    """:func:`leftovers` once a delete's background teardown had its chance: polled until
+    nothing is left, else what is still there after ``timeout`` seconds (a hang guard, not a
+    speed claim)."""
+    deadline = time.monotonic() + timeout
+    while (left := leftovers(rt_home, ids)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return left
 
 
 def loops_backed_by(prefix: Path) -> list[str]:
@@ -129,4 +141,4 @@ def pids_inside(runtime: SandboxRuntime, sid: str) -> list[str]:
     return [line for line in res.stdout.splitlines() if line.strip()]
 
 
-__all__ = ["leftovers", "loops_backed_by", "pids_inside", "os"]
+__all__ = ["leftovers", "leftovers_after_teardown", "loops_backed_by", "pids_inside", "os"]

@@ -26,7 +26,7 @@ from ray_sandbox.runtime import SandboxRuntime, SandboxState
 from ray_sandbox.runtime.errors import SandboxDiedError, SandboxError, SandboxNotFoundError
 from tests.fx_hostile import answers, runsc_pid, settle_state, wait_until
 from tests.fx_ray import host_pid
-from tests.fx_runtime import leftovers
+from tests.fx_runtime import leftovers, leftovers_after_teardown
 
 FAST = 15.0  # seconds a caller may wait for the error after a kill ("within seconds")
 
@@ -60,8 +60,8 @@ class InFlight:
 
 def _assert_gone(runtime: SandboxRuntime, rt_home: Path, sid: str) -> None:
     """No runsc container, process, cgroup, mount, state or directory of ``sid`` is left."""
+    left = leftovers_after_teardown(rt_home, {sid})  # delete's teardown is in the background
     assert sid not in {c.id for c in runtime.runsc.list()}
-    left = leftovers(rt_home, {sid})
     mine = {kind: [x for x in items if kind == "cgroups" or sid in x]
             for kind, items in left.items()}
     assert not any(mine.values()), mine

@@ -15,8 +15,7 @@ import pytest
 
 from ray_sandbox.runtime import SandboxRuntime, SandboxState
 from ray_sandbox.runtime.errors import SandboxCreationError, SandboxFileError
-from tests.fx_hostile import wait_until
-from tests.fx_runtime import leftovers, loops_backed_by
+from tests.fx_runtime import leftovers, leftovers_after_teardown, loops_backed_by
 
 DISK = 16 << 20
 # config, and the directory (as a prefix) the sandbox writes to
@@ -47,7 +46,7 @@ def test_full_disk_is_enospc_and_the_sandbox_recovers(runtime, where):
         assert res.stdout.strip() == str(8 << 20)
     finally:
         runtime.delete(sid)
-    assert leftovers(runtime.home, {sid}) == {}
+    assert leftovers_after_teardown(runtime.home, {sid}) == {}
 
 
 def test_disks_are_private_copies_of_one_template(runtime):
@@ -65,7 +64,7 @@ def test_disks_are_private_copies_of_one_template(runtime):
     finally:
         for sid in (a, b):
             runtime.delete(sid)
-    assert leftovers(runtime.home, {a, b}) == {}
+    assert leftovers_after_teardown(runtime.home, {a, b}) == {}
 
 
 def test_only_sandboxes_that_write_to_the_node_disk_get_an_image(runtime):
@@ -87,15 +86,14 @@ def test_image_workdir_larger_than_disk_fails_create_cleanly(runtime):
     # busybox's /bin (1.9 MiB) is seeded into the workdir, which lives on the 1 MiB disk.
     with pytest.raises(SandboxCreationError, match="No space left"):
         runtime.create(image="ray-sandbox/busybox", memory="64Mi", disk="1Mi", workdir="/bin")
-    assert leftovers(runtime.home) == {}
+    assert leftovers_after_teardown(runtime.home) == {}  # the last test's deletes included
 
 
 def test_ttl_expiry_releases_the_disk(runtime):
     sid = runtime.create(image="ray-sandbox/busybox", memory="64Mi", disk="16Mi",
                          readonly=False, ttl_seconds=1)
     assert loops_backed_by(runtime.sandboxes_dir / sid)
-    assert wait_until(lambda: not (runtime.sandboxes_dir / sid).exists(), 30)
-    assert leftovers(runtime.home, {sid}) == {}
+    assert leftovers_after_teardown(runtime.home, {sid}) == {}
 
 
 @pytest.mark.parametrize("where", ["root", "workdir"])
@@ -118,7 +116,7 @@ def test_restored_copies_keep_their_own_cap(runtime, where):
         for c in [*copies, sid]:
             runtime.delete(c)
         runtime.delete_snapshot(snap)
-    assert leftovers(runtime.home, {sid, *copies}) == {}
+    assert leftovers_after_teardown(runtime.home, {sid, *copies}) == {}
 
 
 # Dies (SIGKILL, from itself) right after one real step of the disk setup.

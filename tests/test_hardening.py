@@ -27,7 +27,7 @@ from ray_sandbox.runtime.config import EgressPolicy
 from ray_sandbox.runtime.network import netns as _netns
 from tests.fx_hostile import runsc_pid
 from tests.fx_network import WEB, WEB2, free_port
-from tests.fx_runtime import leftovers
+from tests.fx_runtime import leftovers, leftovers_after_teardown
 
 HARDENED = {"directfs": False}
 
@@ -98,7 +98,7 @@ def test_files_archives_and_a_capped_disk_work_without_directfs(runtime, tmp_pat
         runtime.write_file(sid, "/w/after", b"space again")
     finally:
         runtime.delete(sid)
-    assert leftovers(runtime.home, {sid}) == {}
+    assert leftovers_after_teardown(runtime.home, {sid}) == {}
 
 
 def test_snapshot_restore_and_fork_keep_the_hardened_sentry(runtime):
@@ -123,7 +123,7 @@ def test_snapshot_restore_and_fork_keep_the_hardened_sentry(runtime):
     finally:
         for i in [sid, *made]:
             runtime.delete(i)
-    assert leftovers(runtime.home, {sid, *made}) == {}
+    assert leftovers_after_teardown(runtime.home, {sid, *made}) == {}
     assert list((runtime.home / "snapshots").iterdir()) == []
 
 

@@ -209,7 +209,8 @@ def test_failed_restore_leaves_nothing(snap_rt, sandbox, rt_home):
             snap_rt.restore(snap, 3, on_restore="test -e /nonexistent || exit 3")
     finally:
         snap_rt.delete_snapshot(snap)
-    assert {p.name for p in (rt_home / "sandboxes").iterdir()} == before
+    # nothing new; what was there may have gone meanwhile (earlier tests' background teardowns)
+    assert {p.name for p in (rt_home / "sandboxes").iterdir()} <= before
     assert snap_rt.exec(sandbox, "echo alive").stdout == "alive\n"
 
 

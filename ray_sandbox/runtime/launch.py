@@ -1,15 +1,19 @@
 """Bringing a sandbox up and taking it down: the pipeline that create and restore share
 (image pin, root overlay, disk, network, bundle, record, runsc, agent ready) and its exact
 inverse. Everything a launch made is undone by :meth:`Launcher.destroy`, which also cleans
-up after a launch that stopped half-way."""
+up after a launch that stopped half-way. :meth:`Launcher.delete` is the same in two phases:
+the sandbox stops at once, the rest is torn down in the background (:class:`Teardowns`)."""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import json
+import logging
 import os
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -33,7 +37,17 @@ from .runsc import Runsc
 from .snapshot import Snapshot, SnapshotDir, copy_tree, rewrite_paths
 from .spec import Spec, apply_transform
 
+_log = logging.getLogger(__name__)
 READY_TIMEOUT = 20.0
+# Background teardowns per runtime: each is mostly one `runsc delete` of a dead sandbox
+# (~20-50 ms; ~1.7 s if another process started it, PLATFORM §9.1), so two threads keep up
+# with the ~9 creates/s two cores allow.
+TEARDOWN_WORKERS = 2
+TEARDOWN_QUEUE = 64
+# How long a re-used id waits for its previous sandbox's running teardown: runsc delete's
+# own timeout and retries bound it well before this.
+_SETTLE_WAIT_S = 120.0
+_DRAIN_WAIT_S = 120.0  # a runtime's close(); a stuck runsc delete alone may take 3 × 30 s
 # How often a starting sandbox's runsc state is checked for a crash. Each check is a runsc
 # process (~20 ms of CPU); with 16 boots in flight on 2 cores, a 0.25 s period spent a tenth
 # of the CPU the boots needed. A crash is reported within a second instead.
@@ -94,6 +108,79 @@ def all_or_nothing(ids: Iterable[str], start: Callable[[str], None],
         raise errors[0]
 
 
+class Teardowns:
+    """Runs ``finish(sandbox_id)`` for deleted sandboxes on at most ``workers`` threads with
+    at most ``limit`` waiting; a delete past that finishes in its caller (back-pressure:
+    never an unbounded queue or a thread per delete). Threads start on demand, end when the
+    queue is empty, and are not daemons: interpreter exit waits for what is queued (a process
+    killed first leaves the rest to gc, through the tombstones)."""
+
+    def __init__(self, finish: Callable[[str], None], *, workers: int, limit: int) -> None:
+        self._finish = finish
+        self._workers = workers
+        self._limit = limit
+        self._cv = threading.Condition()
+        self._queue: deque[str] = deque()
+        self._running: set[str] = set()
+        self._threads = 0
+
+    def submit(self, sandbox_id: str) -> None:
+        with self._cv:
+            if sandbox_id in self._running or sandbox_id in self._queue:
+                return
+            inline = len(self._queue) >= self._limit
+            if inline:
+                self._running.add(sandbox_id)
+            else:
+                self._queue.append(sandbox_id)
+                if self._threads < self._workers:
+                    self._threads += 1
+                    # not inherited: a delete from a daemon thread must not make it one
+                    threading.Thread(target=self._loop, name="ray-sandbox-teardown",
+                                     daemon=False).start()
+        if inline:
+            self._run(sandbox_id)
+
+    def settle(self, sandbox_id: str, timeout: float) -> None:
+        """Finish the id's pending teardown before the id is used again: a queued one now,
+        in this thread; a running one is waited for (at most ``timeout`` seconds)."""
+        with self._cv:
+            queued = sandbox_id in self._queue
+            if queued:
+                self._queue.remove(sandbox_id)
+                self._running.add(sandbox_id)
+            else:
+                self._cv.wait_for(lambda: sandbox_id not in self._running, timeout)
+        if queued:
+            self._run(sandbox_id)
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until nothing is queued or running (at most ``timeout`` seconds)."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._queue and not self._running, timeout)
+
+    def _run(self, sandbox_id: str) -> None:
+        """Finish one teardown the caller has marked running."""
+        try:
+            self._finish(sandbox_id)
+        except Exception:  # one failed teardown must not end the others; gc finds the rest
+            _log.exception("teardown of sandbox %s failed", sandbox_id)
+        finally:
+            with self._cv:
+                self._running.discard(sandbox_id)
+                self._cv.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                if not self._queue:
+                    self._threads -= 1
+                    return
+                sandbox_id = self._queue.popleft()
+                self._running.add(sandbox_id)
+            self._run(sandbox_id)
+
+
 class Launcher:
     """Starts sandboxes from images or snapshots, and destroys them, for one home."""
 
@@ -107,6 +194,8 @@ class Launcher:
         # Image pins are `<home key>:<id>`, so that runtimes of several homes on one shared
         # image store never take each other's pins for stale ones.
         self._pin_prefix = hashlib.sha256(str(home.resolve()).encode()).hexdigest()[:12] + ":"
+        self._teardowns = Teardowns(self._teardown, workers=TEARDOWN_WORKERS,
+                                    limit=TEARDOWN_QUEUE)
 
     # --- create and restore ------------------------------------------------------------------
 
@@ -136,6 +225,7 @@ class Launcher:
                 f"{snap.image_digest}", sandbox_id=sandbox_id,
             )
         sdir = self._records.sdir(sandbox_id)
+        self._settle(sandbox_id)  # the caller's id: maybe that of a sandbox just deleted
         sdir.create()
         attachment, overlay = self._prepare(sandbox_id, sdir, cfg, image, upper=sd.upper)
         if sd.work.is_dir():
@@ -284,12 +374,38 @@ class Launcher:
 
     # --- teardown ----------------------------------------------------------------------------
 
+    def delete(self, sandbox_id: str, reason: str) -> None:
+        """:meth:`_stop` the sandbox, then tear the rest down in the background (in this
+        thread if no tombstone could be written: nothing would hand it to gc)."""
+        if self._stop(sandbox_id, reason):
+            self._teardowns.submit(sandbox_id)
+        else:
+            self._teardown(sandbox_id)
+
     def destroy(self, sandbox_id: str, reason: str | None = None) -> None:
-        """Stop the sandbox and remove everything it owns: runsc state, network, image pin,
-        cgroups, mounts, files. Safe on a half-made or already removed sandbox; ``reason``
-        becomes its tombstone."""
+        """Stop the sandbox and remove everything it owns, in this thread. Safe on a
+        half-made or already removed sandbox; ``reason`` becomes its tombstone."""
+        self._stop(sandbox_id, reason)
+        self._teardown(sandbox_id)
+
+    def _stop(self, sandbox_id: str, reason: str | None) -> bool:
+        """The synchronous phase of a delete: afterwards the sandbox can no longer run or be
+        reached and its id is gone for every process (SandboxNotFoundError), while its
+        tombstone hands the rest of the teardown to gc if this process dies first. Returns
+        whether the tombstone was written (not on a full disk)."""
         self._records.forget(sandbox_id, reason)
+        try:
+            self._records.bury(sandbox_id, reason or "Deleted")
+            buried = True
+        except OSError:
+            buried = False
         self._connections.close(sandbox_id)
+        self.runsc.kill_sandbox(sandbox_id)
+        return buried
+
+    def _teardown(self, sandbox_id: str) -> None:
+        """Remove everything a stopped sandbox owns: runsc state, network, image pin,
+        cgroups, mounts, files, and last its tombstone. Every step runs even if one fails."""
         sdir = self._records.sdir(sandbox_id)
         errors: list[Exception] = []
         try:
@@ -300,7 +416,7 @@ class Launcher:
             network.detach(sandbox_id, sdir.path)
         except SandboxError as exc:
             errors.append(exc)
-        rec = self._records.load(sandbox_id)
+        rec = self._records.read(sandbox_id)
         if rec is not None:
             self.images.unpin(rec.image_digest, self._pin_owner(sandbox_id))
         for cg in procfs.cgroup_dirs(sandbox_id):
@@ -311,8 +427,23 @@ class Launcher:
         for point in _mount.mounts_under(sdir.path):
             _mount.unmount(point)
         sdir.remove()
+        self._records.unbury(sandbox_id)
         if errors:
             raise errors[0]
+
+    def _settle(self, sandbox_id: str) -> None:
+        """An id is used again only once its previous sandbox is gone: a pending teardown
+        of ours is finished first, one a dead process left (its tombstone) here."""
+        self._teardowns.settle(sandbox_id, _SETTLE_WAIT_S)
+        if self._records.read_tombstone(sandbox_id) is not None:
+            self._teardown(sandbox_id)
+
+    def drain(self) -> None:
+        """Wait for the background teardowns, at most ``_DRAIN_WAIT_S``."""
+        if not self._teardowns.drain(_DRAIN_WAIT_S):
+            _log.warning("sandbox teardowns still running after %gs; they go on in the "
+                         "background, and gc() finishes what a dead process left",
+                         _DRAIN_WAIT_S)
 
     def unpin_stale(self, live: set[str]) -> None:
         """Drop this home's image pins of sandboxes that are gone. The store may be shared by

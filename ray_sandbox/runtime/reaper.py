@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import heapq
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 from . import _subreaper, network, procfs
 from .errors import SandboxError
 from .launch import Launcher
 from .records import ID_RE, Records
+from .runsc import Runsc
 from .snapshot import SnapshotStore
 
 _log = logging.getLogger(__name__)
@@ -65,7 +64,7 @@ def gc(records: Records, launcher: Launcher, snapshots: SnapshotStore) -> list[s
     runsc = launcher.runsc
     # A dead owner's `runsc run` may still be running: stop it first, or it would go on to
     # create cgroups after we cleaned up.
-    kill_stray_runsc(runsc.root, live)
+    kill_stray_runsc(runsc, live)
     removed: list[str] = []
     for sid, reason in dead:
         launcher.destroy(sid, reason=reason)
@@ -78,38 +77,22 @@ def gc(records: Records, launcher: Launcher, snapshots: SnapshotStore) -> list[s
         if c.id not in live and ID_RE.match(c.id):
             launcher.destroy(c.id, reason="Orphaned")
             removed.append(c.id)
-    kill_stray_runsc(runsc.root, live)
+    kill_stray_runsc(runsc, live)
     network.gc(live, records.dir)
     removed += snapshots.gc()
     launcher.unpin_stale(live)
     return sorted(set(removed))
 
 
-def kill_stray_runsc(runsc_root: Path, live: set[str]) -> None:
+def kill_stray_runsc(runsc: Runsc, live: set[str]) -> None:
     """Kill, and wait out, runsc processes of this root that belong to no live sandbox:
     sandbox/gofer processes runsc no longer lists (a ``runsc run`` killed half-way,
     PLATFORM §9.8) and runsc commands a dead owner left running."""
-    marker = f"--root={runsc_root}".encode()
-    killed: list[int] = []
-    for pid_dir in Path("/proc").iterdir():
-        if not pid_dir.name.isdigit():
-            continue
-        try:
-            args = (pid_dir / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if not args or (args[0] not in (b"runsc-sandbox", b"runsc-gofer")
-                        and os.path.basename(args[0]) != b"runsc"):
-            continue
-        if marker not in args:
-            continue
-        ids = [a.decode() for a in args if ID_RE.match(a.decode(errors="ignore"))]
-        if ids and not any(i in live for i in ids):
-            try:
-                os.kill(int(pid_dir.name), 9)
-                killed.append(int(pid_dir.name))
-            except ProcessLookupError:
-                pass
+    def stray(args: list[str]) -> bool:
+        ids = [a for a in args if ID_RE.match(a)]
+        return bool(ids) and not any(i in live for i in ids)
+
+    killed = [pid for pid in runsc.processes() if runsc.kill_if(pid, stray)]
     deadline = time.monotonic() + _KILL_WAIT_S
     while killed and time.monotonic() < deadline:
         _subreaper.reap_orphans()

@@ -1,6 +1,7 @@
 """What the node knows about its sandboxes: ``sandboxes/<id>/record.json`` (written before
-runsc starts a sandbox, so any process on the node can address it by id), and one runtime's
-view of which of them it owns and which it deleted."""
+runsc starts a sandbox, so any process on the node can address it by id),
+``sandboxes/<id>.tombstone`` (deleted, its teardown not finished yet), and one runtime's view
+of which of them it owns and which it deleted."""
 
 from __future__ import annotations
 
@@ -21,8 +22,11 @@ from .errors import SandboxNotFoundError
 from .runsc import RunscFlags
 
 ID_RE = re.compile(r"^[0-9a-f]{32}$")
-# A sandbox dir younger than this without a record is being created by another process.
+# A sandbox dir younger than this without a record is being created by another process (a
+# tombstone without content is being written by one).
 CREATING_GRACE_S = 60.0
+_TOMBSTONE = ".tombstone"
+_TOMBSTONE_MAX = 4096
 
 
 class SandboxRecord(BaseModel):
@@ -70,6 +74,20 @@ class SandboxRecord(BaseModel):
         return self.ttl_deadline is not None and self.ttl_deadline < now
 
 
+class Tombstone(BaseModel):
+    """``sandboxes/<id>.tombstone``: the sandbox was deleted (``reason``), it can no longer
+    run, and the process named here is finishing its teardown. Outside the sandbox dir and
+    removed last, so a process that dies at any point of a teardown leaves it for gc."""
+
+    reason: str
+    owner_pid: int | None = None
+    owner_start: int | None = None
+
+    def owner_alive(self) -> bool:
+        return self.owner_pid is not None and procfs.is_running(self.owner_pid,
+                                                                self.owner_start)
+
+
 def owner_fields(detach: bool) -> dict[str, int | None]:
     """``owner_pid``/``owner_start`` of a record or snapshot made by this process: none for
     a detached one, which outlives it."""
@@ -104,10 +122,17 @@ class Records:
         return SandboxDir(self.dir / sandbox_id)
 
     def load(self, sandbox_id: str) -> SandboxRecord | None:
+        """The record of a sandbox that is not deleted."""
         with self._lock:
             rec = self._cache.get(sandbox_id)
         if rec is not None:
             return rec
+        if self._tombstone_path(sandbox_id).exists():
+            return None
+        return self.read(sandbox_id)
+
+    def read(self, sandbox_id: str) -> SandboxRecord | None:
+        """``record.json`` as it is on disk, deleted or not (a teardown needs it)."""
         try:
             return SandboxRecord.model_validate_json(self.sdir(sandbox_id).record.read_text())
         except (OSError, ValueError):
@@ -154,8 +179,39 @@ class Records:
                 self._tombstones[sandbox_id] = reason
 
     def tombstone(self, sandbox_id: str) -> str | None:
+        """Why the id is gone: this runtime deleted it, or some process is tearing it down."""
         with self._lock:
-            return self._tombstones.get(sandbox_id)
+            reason = self._tombstones.get(sandbox_id)
+        if reason is None and (stone := self.read_tombstone(sandbox_id)) is not None:
+            reason = stone.reason
+        return reason
+
+    def bury(self, sandbox_id: str, reason: str) -> None:
+        """Write the sandbox's tombstone, naming this process as the one finishing its
+        teardown: from now on no process loads its record, and if this one dies first, gc
+        finishes the teardown."""
+        stone = Tombstone(reason=reason, **owner_fields(detach=False))
+        self._tombstone_path(sandbox_id).write_text(stone.model_dump_json())
+
+    def read_tombstone(self, sandbox_id: str) -> Tombstone | None:
+        """The sandbox's tombstone; a torn one names no owner (its writer died or is
+        writing: :meth:`live_and_dead` gives it CREATING_GRACE_S)."""
+        try:
+            with open(self._tombstone_path(sandbox_id), "rb") as f:
+                raw = f.read(_TOMBSTONE_MAX)
+        except OSError:
+            return None
+        try:
+            return Tombstone.model_validate_json(raw)
+        except ValueError:
+            return Tombstone(reason="Deleted")
+
+    def unbury(self, sandbox_id: str) -> None:
+        """Remove the tombstone: the last step of a finished teardown."""
+        self._tombstone_path(sandbox_id).unlink(missing_ok=True)
+
+    def _tombstone_path(self, sandbox_id: str) -> Path:
+        return self.dir / f"{sandbox_id}{_TOMBSTONE}"
 
     def tombstoned(self) -> set[str]:
         with self._lock:
@@ -170,8 +226,9 @@ class Records:
             return sorted(self._owned)
 
     def on_disk(self) -> list[str]:
-        """Every sandbox id of this home, owned by any process."""
-        return sorted(p.name for p in self.dir.iterdir() if ID_RE.match(p.name))
+        """Every sandbox id of this home, owned by any process, that is not deleted."""
+        names = set(os.listdir(self.dir))
+        return sorted(n for n in names if ID_RE.match(n) and n + _TOMBSTONE not in names)
 
     def select(self, ids: list[str], labels: Mapping[str, str] | None) -> list[str]:
         if not labels:
@@ -185,7 +242,16 @@ class Records:
         now = time.time()
         live: set[str] = set()
         dead: list[tuple[str, str]] = []
-        for sid in self.on_disk():
+        stems = {n.removesuffix(_TOMBSTONE) for n in os.listdir(self.dir)}
+        for sid in sorted(s for s in stems if ID_RE.match(s)):
+            stone = self.read_tombstone(sid)
+            if stone is not None:  # a teardown a live process is finishing counts as live
+                if stone.owner_alive() or (stone.owner_pid is None and _younger_than(
+                        self._tombstone_path(sid), CREATING_GRACE_S, now)):
+                    live.add(sid)
+                else:
+                    dead.append((sid, stone.reason))
+                continue
             rec = self.load(sid)
             if self.owns(sid) or (rec is not None and rec.owner_alive() and not rec.expired(now)):
                 live.add(sid)

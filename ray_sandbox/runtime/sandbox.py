@@ -204,9 +204,12 @@ class SandboxRuntime:
             self._launcher.destroy(sandbox_id, reason="TTLExpired")
 
     def delete(self, sandbox_id: str) -> None:
-        """Stop the sandbox and remove everything it owns. Idempotent."""
+        """Stop the sandbox and remove everything it owns. Idempotent. On return it can no
+        longer run or be reached and its id raises SandboxNotFoundError; runsc state,
+        network, cgroups, mounts and files are removed in the background (by the next
+        :meth:`gc` if this process dies first)."""
         check_id(sandbox_id)
-        self._launcher.destroy(sandbox_id, reason="Deleted")
+        self._launcher.delete(sandbox_id, reason="Deleted")
 
     terminate = delete
 
@@ -627,15 +630,17 @@ class SandboxRuntime:
 
     def close(self) -> None:
         """Delete every sandbox this runtime created (detached ones included) and the
-        snapshots it took that are not detached."""
+        snapshots it took that are not detached, and wait (bounded) until every background
+        teardown has finished."""
         for snap in self.snapshots.list():
             if snap.owner_pid == os.getpid():
                 self.snapshots.delete(snap)
         for sid in self.records.owned():
             try:
-                self._launcher.destroy(sid, reason="Deleted")
+                self._launcher.delete(sid, reason="Deleted")
             except SandboxError:
                 pass
+        self._launcher.drain()
 
     def __enter__(self) -> SandboxRuntime:
         return self
