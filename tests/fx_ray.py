@@ -15,7 +15,6 @@ import pytest
 from ray_sandbox.runtime.paths import images
 from tests.fx_runtime import leftovers
 
-
 # Tests of the Ray layer run with the hosts' stock off, so that what they count (sandboxes,
 # slots, reservations) is what they made; tests/test_stock.py turns it on.
 STOCK_OFF = "0"

@@ -286,6 +286,7 @@ class SandboxHost:
             except SandboxError:
                 pass
         self._stock.close()
+        self._rt.close()  # waits for the background teardowns of the deletes above
         self._blocks.release_all()
         return len(ids)
 
@@ -347,6 +348,7 @@ class SandboxHost:
                 return False
             self._retiring = True
         self._stock.close()
+        self._rt.close()  # the stock's deletes and every other teardown finish first
         self._blocks.release_all()
         log.info("idle for %.0fs: the sandbox host on %s retires", self._idle_limit,
                  self.node_id)

@@ -18,7 +18,9 @@ from . import _proc, procfs
 
 _PR_SET_CHILD_SUBREAPER = 36
 _LOOK_PAST_S = 1.0  # how long an exited child we may not reap can hide the others
-_REAPABLE_COMM = frozenset({"exe", "runsc", "runsc-sandbox", "runsc-gofer", "slirp4netns", "pasta"})
+# runsc's processes, the network helpers, and the DNS helper (network/dns.py names itself)
+_REAPABLE_COMM = frozenset({"exe", "runsc", "runsc-sandbox", "runsc-gofer", "slirp4netns", "pasta",
+                            "rsb-dns"})
 
 _started = False
 _lock = threading.Lock()
@@ -88,8 +90,14 @@ def _loop() -> None:
         pid = info.si_pid if info is not None else 0
         if pid and _reap_one(pid):
             continue
-        # A Popen's child, which its owner collects in a moment, or a child that is not ours
-        # to reap. It stays first in line; if it stays there, look past it once a second.
+        if pid and not _proc.is_own_child(pid):
+            # Not ours to reap and no Popen of ours will collect it: it stays first in line
+            # for good, so exits behind it are found by scanning, as before the fast path.
+            reap_orphans()
+            time.sleep(0.02)
+            continue
+        # A Popen's child, which its owner collects in a moment; should it stay first in
+        # line (an owner that never waits), look past it once a second.
         now = time.monotonic()
         if pid != blocked:
             blocked, since = pid, now

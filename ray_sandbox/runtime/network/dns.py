@@ -14,6 +14,7 @@ re-reads the policy file, SIGTERM stops it.
 
 from __future__ import annotations
 
+import ctypes
 import ipaddress
 import json
 import os
@@ -303,7 +304,14 @@ def start(
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
+COMM = "rsb-dns"  # the helper's process name: runtime/_subreaper.py reaps it if orphaned
+_PR_SET_NAME = 15
+
+
 def main(argv: Sequence[str]) -> None:
+    # A helper whose owner died is adopted by a subreaper that must know it may reap it:
+    # its comm would otherwise be the interpreter's, which the subreaper leaves alone.
+    ctypes.CDLL(None).prctl(_PR_SET_NAME, COMM.encode(), 0, 0, 0)
     helper = Helper(json.loads(Path(argv[0]).read_text()))
     hup = threading.Event()
     signal.signal(signal.SIGHUP, lambda *_: hup.set())
