@@ -111,7 +111,7 @@ def test_memory_limit_visible_and_cpu_quota_applied(runtime):
         meminfo = runtime.exec(sid, "head -1 /proc/meminfo").stdout
         assert meminfo.split()[1] == str(96 * 1024)
         quota = Path(f"/sys/fs/cgroup/cpu/{sid}/cpu.cfs_quota_us").read_text().strip()
-        assert quota == "50000"
+        assert quota == "250000"  # 0.5 x the 500 ms period
         # Throttling is real: a busy loop is throttled by the CFS quota.
         runtime.exec(sid, "timeout 1 sh -c 'while :; do :; done'", timeout=5)
         stat = Path(f"/sys/fs/cgroup/cpu/{sid}/cpu.stat").read_text()

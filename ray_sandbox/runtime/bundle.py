@@ -29,7 +29,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import _mount
+from . import _mount, procfs
 from .config import SandboxConfig, node_pids_limit
 from .errors import SandboxCreationError
 from .spec import (
@@ -55,7 +55,13 @@ AGENT_DIR = "/.rsb/bin"
 AGENT_RUN_DIR = "/.rsb/run"
 AGENT_SOCKET = f"{AGENT_RUN_DIR}/agent.sock"
 AGENT_NAME = "rsb-agent"
-CPU_PERIOD_US = 100_000
+# The CFS period of a sandbox's CPU share (docs/runtime.md, "CPU"). The kernel lets a group bank
+# at most one quota of unused time (cpu.cfs_burst_us <= quota), so the period sets what a
+# sandbox may spend at full speed after idling: 2 x cpu x period, 100 ms of CPU at cpu=0.1
+# (about ten `exec true`). A longer period banks more, but stalls a sandbox that used up its
+# share for longer, up to (1 - cpu) x period, and loosens the bound over any window W to
+# cpu x (W + 2 x period): 1.1 x cpu over 10 s here.
+CPU_PERIOD_US = 500_000
 RUN_DIR_SIZE = "256k"
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 S_IFMT = 0o170000  # the file-type bits of a mode (Python's stat.S_IFMT is a function)
@@ -253,7 +259,7 @@ def build_spec(
     if config.memory is not None:
         resources.memory = MemoryResources(limit=config.memory)
     if config.cpu is not None:
-        resources.cpu = CpuResources(quota=int(config.cpu * CPU_PERIOD_US), period=CPU_PERIOD_US)
+        resources.cpu = boot_cpu(config.cpu)
     if config.pids_limit is not None:
         limit = node_pids_limit() if config.pids_limit == "auto" else config.pids_limit
         resources.pids = PidsResources(limit=limit)
@@ -289,6 +295,28 @@ def build_spec(
                     resources=resources,
                     seccomp=None if "CAP_MKNOD" in caps else no_device_nodes()),
     )
+
+
+def boot_cpu(cpu: float) -> CpuResources:
+    """The spec's CPU limit, which runsc applies from the start: the share, but at least one
+    core. gVisor's boot takes ~150 ms of CPU, 1.5 s at a 0.1 share; no user code runs before
+    the agent answers, and :func:`apply_cpu_share` narrows it before create returns."""
+    return CpuResources(period=CPU_PERIOD_US, quota=round(max(cpu, 1.0) * CPU_PERIOD_US))
+
+
+def apply_cpu_share(sandbox_id: str, config: SandboxConfig) -> None:
+    """Give the sandbox's cgroup its CPU share in place of the boot limit, as soon as user
+    code may run: after a create once the agent answers, after a restore as soon as runsc
+    returns (the copy's processes resume there; its spec carries the boot limit, or an older
+    one). Quota ``cpu`` x period, and a burst of one quota, the most the kernel allows: an
+    exec after idle time runs on what the sandbox banked instead of waiting for the next
+    period. runsc 0.0~20240729 ignores the spec's ``linux.resources.cpu.burst`` (measured),
+    so the host writes it. Rootless sandboxes have no cgroups."""
+    if config.cpu is None or config.effective_rootless:
+        return
+    quota = round(config.cpu * CPU_PERIOD_US)
+    procfs.set_cpu_bandwidth(sandbox_id, period_us=CPU_PERIOD_US, quota_us=quota,
+                             burst_us=quota)
 
 
 def merge_env(base: list[str], extra: dict[str, str]) -> list[str]:

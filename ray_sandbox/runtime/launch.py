@@ -241,6 +241,7 @@ class Launcher:
         # The source's global flags: a restore with another --directfs fails (ENOMEM).
         self.runsc.restore_detached(sandbox_id, sdir.bundle, sd.image, rec.runsc_flags,
                                     prefix=attachment.run_prefix, log_dir=sdir.path)
+        bundle.apply_cpu_share(sandbox_id, cfg)  # the copy's processes run from here
         self._wait_ready(sandbox_id, sdir)
         return self._records.set_phase(rec, "created")
 
@@ -286,6 +287,7 @@ class Launcher:
         self.runsc.run_detached(sandbox_id, sdir.bundle, rec.runsc_flags,
                                 prefix=attachment.run_prefix, log_dir=sdir.path)
         client = self._wait_ready(sandbox_id, sdir)
+        bundle.apply_cpu_share(sandbox_id, cfg)
         if cfg.workdir and not cfg.readonly:
             # Like a Dockerfile WORKDIR: it exists even if the image lacks it. Made through
             # the agent, inside the sandbox, so image symlinks cannot point it at the host.

@@ -1,10 +1,14 @@
-"""Readers of the host's /proc and cgroup files: the one parser of ``/proc/PID/stat`` and the
-cgroup counters a sandbox's status is derived from. Pure reads, no side effects."""
+"""The host's /proc and cgroup files: the one parser of ``/proc/PID/stat``, the cgroup
+counters a sandbox's status is derived from, and the one cgroup write (a sandbox's CPU
+bandwidth once it is booted). Cgroup paths come from the sandbox id, never from anything
+the sandbox controls."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import NamedTuple
+
+from .errors import SandboxCreationError
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
@@ -48,6 +52,26 @@ def cgroup_counted(key: str, *files: Path) -> bool:
             if k == key and v.strip() not in ("", "0"):
                 return True
     return False
+
+
+def set_cpu_bandwidth(sandbox_id: str, *, period_us: int, quota_us: int, burst_us: int) -> None:
+    """Set the CFS bandwidth of the cpu cgroup runsc made for the sandbox. In this order: the
+    kernel checks each write against the values in place (burst <= quota)."""
+    v1 = CGROUP_ROOT / "cpu" / sandbox_id
+    if v1.is_dir():
+        writes = [(v1 / "cpu.cfs_period_us", str(period_us)),
+                  (v1 / "cpu.cfs_quota_us", str(quota_us)),
+                  (v1 / "cpu.cfs_burst_us", str(burst_us))]
+    else:  # cgroup v2 (not verified on this cgroup-v1 machine)
+        v2 = CGROUP_ROOT / sandbox_id
+        writes = [(v2 / "cpu.max", f"{quota_us} {period_us}"),
+                  (v2 / "cpu.max.burst", str(burst_us))]
+    try:
+        for path, value in writes:
+            path.write_text(value)
+    except OSError as exc:
+        raise SandboxCreationError(f"setting the sandbox's CPU limit failed: {exc}",
+                                   sandbox_id=sandbox_id) from None
 
 
 def oom_killed(sandbox_id: str) -> bool:

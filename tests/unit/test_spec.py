@@ -28,7 +28,8 @@ def test_limits_and_agent_as_pid1():
     spec = _spec(cpu=0.5, memory="256Mi")
     data = json.loads(spec.to_json())
     assert data["linux"]["resources"]["memory"]["limit"] == 256 * 2**20
-    assert data["linux"]["resources"]["cpu"] == {"quota": 50000, "period": 100000}
+    # the boot limit: one core at least (bundle.boot_cpu); the share comes after the boot
+    assert data["linux"]["resources"]["cpu"] == {"quota": 500000, "period": 500000}
     assert data["process"]["args"][0] == "/.rsb/bin/rsb-agent"
     assert data["process"]["terminal"] is False
     assert data["root"] == {"path": "/images/rootfs", "readonly": True}
