@@ -1,6 +1,7 @@
 """One entry point for every benchmark: run some (or all), then chart every saved result.
 
-    .venv/bin/python -m benchmarks [runtime ray images network snapshot scale blocks soak] [--quick]
+    .venv/bin/python -m benchmarks [runtime ray images network snapshot scale blocks cpu stock
+                                    soak] [--quick]
     .venv/bin/python -m benchmarks --chart-only
 
 Each benchmark prints its table and saves ``benchmarks/out/<name>.json``; this then renders
@@ -23,6 +24,8 @@ MODULES = {
     "snapshot": "benchmarks.bench_snapshot",
     "scale": "benchmarks.bench_scale",
     "blocks": "benchmarks.bench_blocks",
+    "cpu": "benchmarks.bench_cpu",
+    "stock": "benchmarks.bench_stock",
     "soak": "benchmarks.soak",
 }
 

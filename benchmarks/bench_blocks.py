@@ -170,7 +170,7 @@ def _in_flight_row(gcs: int, cycle: Any, n: int, label: str) -> dict:
             "gcs_cpu_ms_per_sandbox": round((scale._cpu_seconds(gcs) - cpu0) / n * 1000, 4)}
 
 
-def boots(tmp: Path, quick: bool) -> list[dict]:
+def boots(tmp: Path, quick: bool, reps: int = 3) -> list[dict]:
     """Real boots on this node: ``create_many(64)`` against 64 bare ``runsc run`` with the
     host's parallelism, interleaved so noise hits both."""
     import ray
@@ -179,7 +179,9 @@ def boots(tmp: Path, quick: bool) -> list[dict]:
     from ray_sandbox.runtime import paths
 
     n = 16 if quick else 64
-    env = {"RAY_SANDBOX_HOME": str(tmp / "ray-home"), "RAY_SANDBOX_IMAGES": str(paths.images())}
+    # Stock off: every create here must be a boot, and no refill may compete with the baseline.
+    env = {"RAY_SANDBOX_HOME": str(tmp / "ray-home"), "RAY_SANDBOX_IMAGES": str(paths.images()),
+           "RAY_SANDBOX_STOCK_MAX": "0"}
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
              _temp_dir=str(tmp / "ray-local"), runtime_env={"env_vars": env})
     opts = {"image": scale.BUSYBOX, "cpu": 0.1, "memory": "64Mi"}
@@ -190,7 +192,7 @@ def boots(tmp: Path, quick: bool) -> list[dict]:
         try:
             ray.get([h.terminate.remote() for h in sandbox.create_many(4, **opts)])  # warm
             ours, bare = [], []
-            for _ in range(1 if quick else 3):
+            for _ in range(1 if quick else reps):
                 t0 = time.perf_counter()
                 made = sandbox.create_many(n, **opts)
                 ours.append(n / (time.perf_counter() - t0))
@@ -235,6 +237,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", default="control,boots")
     ap.add_argument("--nodes", type=int, default=None, help="simulated raylets (8; quick 4)")
+    ap.add_argument("--reps", type=int, default=3, help="boots: interleaved runs of each")
     args = ap.parse_args()
     only = set(args.only.split(","))
     rows: list[dict] = []
@@ -243,7 +246,7 @@ def main() -> None:
         if "control" in only:
             rows += control(args.nodes or (4 if args.quick else 8), args.quick, tmp)
         if "boots" in only:
-            rows += boots(tmp, args.quick)
+            rows += boots(tmp, args.quick, args.reps)
     emit("bench_blocks", rows, notes=(
         "2-core VM shared with other engineers' work. control rows: simulated raylets, 1 GCS, "
         f"hosts whose runtime skips the gVisor boot ({SIMULATED}); bundle {scale.BUNDLE}. "

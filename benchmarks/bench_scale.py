@@ -286,7 +286,8 @@ def density_ray(tmp: Path, n: int, reps: int) -> list[dict]:
     from tests.fx_runtime import leftovers
 
     home = tmp / "density-home"
-    env = {"RAY_SANDBOX_HOME": str(home), "RAY_SANDBOX_IMAGES": str(paths.images())}
+    env = {"RAY_SANDBOX_HOME": str(home), "RAY_SANDBOX_IMAGES": str(paths.images()),
+           "RAY_SANDBOX_STOCK_MAX": "0"}  # idle sandboxes made by create(), none stocked
     cpu, memory = 0.1, 32 * 2**20  # cpu 0.1: lower quotas throttle the boot itself
     ray.init(address="local", num_cpus=int(n * cpu) + 4, _memory=n * memory + 2**31,
              include_dashboard=False, log_to_driver=False, _temp_dir=str(tmp / "ray-density"),
@@ -531,7 +532,8 @@ def ray_path(tmp: Path, quick: bool, reps: int) -> list[dict]:
     from ray_sandbox.runtime import paths
 
     env = {"RAY_SANDBOX_HOME": str(tmp / "ray-home"),  # not the node's shared home
-           "RAY_SANDBOX_IMAGES": str(paths.images())}
+           "RAY_SANDBOX_IMAGES": str(paths.images()),
+           "RAY_SANDBOX_STOCK_MAX": "0"}  # boot cycles: bench_stock measures the stock
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
              _temp_dir=str(tmp / "ray-local"), runtime_env={"env_vars": env})
     total = 12 if quick else 24

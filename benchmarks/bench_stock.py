@@ -1,0 +1,156 @@
+"""create() → first exec with the hosts' stock (issue 20), beside a fresh boot and bare runsc
+measured in the same run.
+
+    .venv/bin/python -m benchmarks.bench_stock [--quick]
+
+Rows (busybox, cpu=1, 48Mi, one local Ray node that advertises 16 logical CPUs so that the
+stock's quarter share is 4 sandboxes of this shape; the machine has 2 cores):
+- ``create()→first exec, stock``: N sequential creates, each sandbox terminated outside the
+  timed part, 0.2 s apart (as bench_ray's create row); the row says how many were hits;
+- the same with 8 concurrent callers;
+- ``fresh boot (baseline)``: the same create, but with a config no stocked sandbox can serve
+  (an identity ``spec_transform``), so every one boots;
+- ``bare runsc run → runsc exec (baseline)``: no Ray, no agent, the same bundle shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import ray
+
+import ray_sandbox as sandbox
+from benchmarks._harness import BARE_RUNSC, emit, summarize
+from benchmarks.bench_scale import _baseline_bundle
+from ray_sandbox.runtime import ImageStore, SandboxRuntime
+from tests.fx_runtime import leftovers
+
+OPTS = {"image": "ray-sandbox/busybox", "cpu": 1, "memory": "48Mi"}
+PAUSE_S = 0.2  # between sequential creates: the delete is outside the timed part
+
+
+def _identity(spec: dict) -> dict:
+    return spec
+
+
+def _create_exec(opts: dict) -> tuple[float, sandbox.SandboxHandle]:
+    t0 = time.perf_counter()
+    sb = sandbox.create(**opts)
+    r = ray.get(sb.exec.remote(["/bin/true"]))
+    ms = (time.perf_counter() - t0) * 1000
+    if r.exit_code != 0:
+        raise RuntimeError(f"exec failed: {r.stderr}")
+    return ms, sb
+
+
+def _hits(host: ray.actor.ActorHandle) -> int:
+    return ray.get(host.stock.remote())["hits"]
+
+
+def sequential(n: int, opts: dict, label: str, host: ray.actor.ActorHandle,
+               ended: list[str] | None = None, terminates: list[float] | None = None) -> dict:
+    """``n`` creates one after another; the ids and terminate() times go to ``ended`` and
+    ``terminates`` if given."""
+    samples, hits0 = [], _hits(host)
+    for _ in range(n):
+        ms, sb = _create_exec(opts)
+        samples.append(ms)
+        t0 = time.perf_counter()
+        ray.get(sb.terminate.remote())
+        if terminates is not None:
+            terminates.append((time.perf_counter() - t0) * 1000)
+        if ended is not None:
+            ended.append(sb.sandbox_id)
+        time.sleep(PAUSE_S)
+    return summarize(label, samples, stock_hits=_hits(host) - hits0)
+
+
+def concurrent(n: int, callers: int, opts: dict, label: str,
+               host: ray.actor.ActorHandle) -> dict:
+    hits0 = _hits(host)
+
+    def one(_: int) -> float:
+        ms, sb = _create_exec(opts)
+        ray.get(sb.terminate.remote())
+        time.sleep(PAUSE_S)
+        return ms
+
+    with ThreadPoolExecutor(callers) as ex:
+        samples = list(ex.map(one, range(n)))
+    return summarize(label, samples, callers=callers, stock_hits=_hits(host) - hits0)
+
+
+def bare(n: int, tmp: Path) -> dict:
+    with SandboxRuntime(tmp / "bare-home", images=ImageStore()) as rt:
+        ref = rt.create(image=OPTS["image"], memory=OPTS["memory"], cpu=OPTS["cpu"])
+        bundle = _baseline_bundle(rt, ref, tmp / "bundle")
+        samples = []
+        for _ in range(n):
+            bid = os.urandom(16).hex()
+            logs = tmp / "logs" / bid
+            logs.mkdir(parents=True)
+            t0 = time.perf_counter()
+            rt.runsc.run_detached(bid, bundle, BARE_RUNSC, log_dir=logs)
+            rt.runsc.exec(bid, ["/bin/true"], timeout=30)
+            samples.append((time.perf_counter() - t0) * 1000)
+            rt.runsc.delete(bid)
+            shutil.rmtree(logs)
+            time.sleep(PAUSE_S)
+        rt.delete(ref)
+    return summarize("bare runsc run → runsc exec (baseline)", samples)
+
+
+def _left_of(home: Path, ids: list[str]) -> int:
+    """How many processes, cgroups, mounts, files of these sandboxes are left (the stock's
+    live sandboxes share the home, so only what names one of the ids counts)."""
+    left = leftovers(home, set(ids))
+    return sum(1 for items in left.values() for item in items
+               if any(sid in item for sid in ids))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    n = 20 if args.quick else 100
+    load = os.getloadavg()
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="rsb-bench-stock-") as d:
+        tmp = Path(d)
+        os.environ["RAY_SANDBOX_HOME"] = str(tmp / "home")
+        os.environ.pop("RAY_SANDBOX_STOCK_MAX", None)  # the defaults: stock on
+        ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False)
+        try:
+            warm = sandbox.create(**OPTS)  # host up, image pinned; the first miss
+            ray.get(warm.terminate.remote())
+            time.sleep(2)
+            host = warm._host
+            ended: list[str] = []
+            terminates: list[float] = []
+            rows.append(sequential(n, OPTS, f"create()→first exec, stock ({n} sequential)",
+                                   host, ended, terminates))
+            time.sleep(2)  # the issue's bound: nothing of a terminated sandbox 2 s later
+            rows.append(summarize("terminate() through Ray (sequential)", terminates,
+                                  leftovers_2s_after_last=_left_of(tmp / "home", ended)))
+            rows.append(concurrent(n, 8, OPTS, f"create()→first exec, stock, 8 callers ({n})",
+                                   host))
+            fresh = {**OPTS, "spec_transform": _identity}
+            rows.append(sequential(n, fresh, "create()→first exec, fresh boot (baseline)",
+                                   host))
+        finally:
+            sandbox.shutdown()
+            ray.shutdown()
+        rows.append(bare(n, tmp))
+    emit("stock", rows, notes=f"2-core VM, load average before {load[0]:.1f}; Ray node "
+         "advertises 16 logical CPUs (stock share 0.25 = 4 of cpu=1); busybox, 48Mi; "
+         f"sandboxes terminated outside the timed part, {PAUSE_S}s apart.")
+
+
+if __name__ == "__main__":
+    main()
