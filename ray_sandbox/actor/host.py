@@ -106,7 +106,8 @@ class SandboxHost:
         self._blocks = Blocks(self.node_id, Path(self._rt.home) / "blocks",
                               idle_s=_seconds_env("RAY_SANDBOX_BLOCK_IDLE_S", 10.0))
         release_reaped(self._rt)  # a restarted host: the dead incarnation's sandboxes
-        self._stock = Stock(self._rt, self._blocks, self.node_id, busy=self._creating)
+        self._booting = 0  # callers' boots in flight (the stock's refills wait for none)
+        self._stock = Stock(self._rt, self._blocks, self.node_id, busy=self._boots_in_flight)
         threading.Thread(target=self._watch, name="ray-sandbox-pg-watch", daemon=True).start()
 
     def ping(self) -> str:
@@ -116,9 +117,9 @@ class SandboxHost:
         """The stock's hits, misses, stocked sandboxes and target (``stock.py``)."""
         return self._stock.stats()
 
-    def _creating(self) -> bool:
+    def _boots_in_flight(self) -> bool:
         with self._lock:
-            return self._inflight > 0
+            return self._booting > 0
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -210,8 +211,15 @@ class SandboxHost:
     def _boot(self, config: SandboxConfig, pg_hex: str, name: str | None) -> str:
         labels = self._labels(config, pg_hex, name)
         t0 = time.perf_counter()
-        with self._boots:
-            sid = self._rt.create(config.model_copy(update={"labels": labels}), detach=False)
+        with self._lock:
+            self._booting += 1
+        try:
+            with self._boots:
+                sid = self._rt.create(config.model_copy(update={"labels": labels}),
+                                      detach=False)
+        finally:
+            with self._lock:
+                self._booting -= 1
         metrics.observe_create(time.perf_counter() - t0)
         return sid
 

@@ -3,17 +3,18 @@ config boots the same way, so that ``create()`` does not wait for a gVisor boot 
 
 A shelf holds the stock of one boot (``runtime.config.boot_key``: image, limits, network
 mode, …) and one Ray shape. Each miss on a shelf raises its target by one (up to
-``RAY_SANDBOX_STOCK_PER_SHAPE``, 4); a shelf nobody took from for ``RAY_SANDBOX_STOCK_IDLE_S``
+``RAY_SANDBOX_STOCK_PER_SHAPE``, 8); a shelf nobody took from for ``RAY_SANDBOX_STOCK_IDLE_S``
 seconds (30) lowers it by one and deletes what is over. All shelves together hold at most
-``RAY_SANDBOX_STOCK_MAX`` sandboxes (16; 0 switches the stock off) and at most
+``RAY_SANDBOX_STOCK_MAX`` sandboxes (32; 0 switches the stock off) and at most
 ``RAY_SANDBOX_STOCK_SHARE`` (0.25) of each resource the node gives Ray (CPU, memory, …):
 the stock must not keep other Ray work off the node.
 
 - Each stocked sandbox holds a slot of the host's blocks, so Ray accounts it like any
   sandbox (``ray status``) and the stock can never take what the node does not have. A
   create that finds no free slot evicts stocked sandboxes of its shape (:meth:`evict`).
-- Refills boot at most ``_REFILLS`` sandboxes at a time and start only while no create is in
-  flight on the host, so the stock does not compete with the boots callers wait for.
+- Refills boot at most ``_REFILLS`` sandboxes at a time and start only while no caller's boot
+  is in flight on the host, so the stock does not compete with the boots callers wait for
+  (hand-outs from the stock do not hold refills back).
 - A taken sandbox leaves the stock for good: a sandbox anybody used is never handed out.
 - Stocked sandboxes belong to the host's process: if the host dies they die with it and its
   next incarnation reaps them, like every other sandbox of the dead host.
@@ -45,6 +46,7 @@ from .placement import PG_LABEL
 
 STOCK_LABEL = "ray-sandbox/stock"  # on stocked sandboxes' records, for `ray-sandbox list`
 _TICK_S = 1.0  # how often idle shelves are looked at without a miss to wake the refill
+_SHORT_TICK_S = 0.02  # ... and how often while a shelf is short and callers' boots hold it back
 _RETRY_S = 5.0  # how long a shelf whose refill failed waits before the next try
 _REFILLS = 2  # refill boots at once: keeps up with a caller that creates back to back
 _CLOSE_WAIT_S = 60.0  # how long close() waits for refills in flight (a boot takes < 1 s)
@@ -88,8 +90,8 @@ class Stock:
         self._blocks = blocks
         self._node_id = node_id
         self._busy = busy
-        self._per_shape = _int_env("RAY_SANDBOX_STOCK_PER_SHAPE", 4)
-        self._max = _int_env("RAY_SANDBOX_STOCK_MAX", 16)
+        self._per_shape = _int_env("RAY_SANDBOX_STOCK_PER_SHAPE", 8)
+        self._max = _int_env("RAY_SANDBOX_STOCK_MAX", 32)
         self._idle_s = _float_env("RAY_SANDBOX_STOCK_IDLE_S", 30.0)
         share = min(1.0, _float_env("RAY_SANDBOX_STOCK_SHARE", 0.25))
         self._budget = {k: v * share for k, v in _node_resources(node_id).items()}
@@ -124,7 +126,7 @@ class Stock:
             else:
                 self._misses += 1
                 shelf.target = min(shelf.target + 1, self._per_shape)
-                self._lock.notify_all()
+            self._lock.notify_all()  # a shelf is short now: refill
         metrics.count_stock_take(hit)
         self._publish()
         return got if hit else None
@@ -179,7 +181,9 @@ class Stock:
         with ThreadPoolExecutor(_REFILLS, thread_name_prefix="ray-sandbox-refill") as pool:
             while True:
                 with self._lock:
-                    self._lock.wait(_TICK_S)
+                    short = any(len(s.ready) + s.booting < s.target
+                                for s in self._shelves.values())
+                    self._lock.wait(_SHORT_TICK_S if short else _TICK_S)
                     if self._closed:
                         return
                 self._shrink()
