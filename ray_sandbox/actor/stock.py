@@ -54,15 +54,8 @@ _CLOSE_WAIT_S = 60.0  # how long close() waits for refills in flight (a boot tak
 log = logging.getLogger(__name__)
 
 
-def _int_env(name: str, default: int) -> int:
-    try:
-        return max(0, int(os.environ.get(name, default)))
-    except ValueError:
-        log.warning("%s is not an integer; using %d", name, default)
-        return default
-
-
-def _float_env(name: str, default: float) -> float:
+def _env(name: str, default: float) -> float:
+    """A non-negative number from the environment; a bad value is logged and ignored."""
     try:
         return max(0.0, float(os.environ.get(name, default)))
     except ValueError:
@@ -90,10 +83,10 @@ class Stock:
         self._blocks = blocks
         self._node_id = node_id
         self._busy = busy
-        self._per_shape = _int_env("RAY_SANDBOX_STOCK_PER_SHAPE", 8)
-        self._max = _int_env("RAY_SANDBOX_STOCK_MAX", 32)
-        self._idle_s = _float_env("RAY_SANDBOX_STOCK_IDLE_S", 30.0)
-        share = min(1.0, _float_env("RAY_SANDBOX_STOCK_SHARE", 0.25))
+        self._per_shape = int(_env("RAY_SANDBOX_STOCK_PER_SHAPE", 8))
+        self._max = int(_env("RAY_SANDBOX_STOCK_MAX", 32))
+        self._idle_s = _env("RAY_SANDBOX_STOCK_IDLE_S", 30.0)
+        share = min(1.0, _env("RAY_SANDBOX_STOCK_SHARE", 0.25))
         self._budget = {k: v * share for k, v in _node_resources(node_id).items()}
         self._lock = threading.Condition()
         self._shelves: dict[tuple[str, Shape], _Shelf] = {}
