@@ -204,7 +204,8 @@ def test_writable_root_fill_lands_on_host_disk_until_delete(runtime, neighbour):
         assert answers(runtime, neighbour)
     finally:
         runtime.delete(sid)
-    assert not (runtime.sandboxes_dir / sid).exists()  # and gone with the sandbox
+    # and gone with the sandbox, once delete's background teardown ran (a hang guard)
+    assert wait_until(lambda: not (runtime.sandboxes_dir / sid).exists(), 60)
 
 
 @pytest.mark.parametrize("where", ["root", "workdir"])

@@ -5,7 +5,8 @@ A shelf holds the stock of one boot (``runtime.config.boot_key``: image, limits,
 mode, …) and one Ray shape. Each miss on a shelf raises its target by one (up to
 ``RAY_SANDBOX_STOCK_PER_SHAPE``, 8); a shelf nobody took from for ``RAY_SANDBOX_STOCK_IDLE_S``
 seconds (30) lowers it by one and deletes what is over. All shelves together hold at most
-``RAY_SANDBOX_STOCK_MAX`` sandboxes (32; 0 switches the stock off) and at most
+``RAY_SANDBOX_STOCK_MAX`` sandboxes (0, the default, switches the stock off; 32 is a good
+start) and at most
 ``RAY_SANDBOX_STOCK_SHARE`` (0.25) of each resource the node gives Ray (CPU, memory, …):
 the stock must not keep other Ray work off the node.
 
@@ -16,8 +17,11 @@ the stock must not keep other Ray work off the node.
   is in flight on the host, so the stock does not compete with the boots callers wait for
   (hand-outs from the stock do not hold refills back).
 - A taken sandbox leaves the stock for good: a sandbox anybody used is never handed out.
-- Stocked sandboxes belong to the host's process: if the host dies they die with it and its
-  next incarnation reaps them, like every other sandbox of the dead host.
+- Stocked sandboxes belong to the host's process: if the host dies they are reaped by its
+  next incarnation, like every other sandbox of the dead host. That is also why the stock is
+  off by default: a host killed with its Ray cluster (``ray.shutdown()`` of a local cluster)
+  leaves its stock running until the node's next gc, although the caller deleted everything
+  it made. Making stocked sandboxes die with their host is the open work that turns it on.
 
 What a taken sandbox shows that a fresh one would not: a longer uptime (``/proc/uptime``)
 and the agent's connection handler already running (a fresh sandbox has it after its first
@@ -84,7 +88,7 @@ class Stock:
         self._node_id = node_id
         self._busy = busy
         self._per_shape = int(_env("RAY_SANDBOX_STOCK_PER_SHAPE", 8))
-        self._max = int(_env("RAY_SANDBOX_STOCK_MAX", 32))
+        self._max = int(_env("RAY_SANDBOX_STOCK_MAX", 0))
         self._idle_s = _env("RAY_SANDBOX_STOCK_IDLE_S", 30.0)
         share = min(1.0, _env("RAY_SANDBOX_STOCK_SHARE", 0.25))
         self._budget = {k: v * share for k, v in _node_resources(node_id).items()}

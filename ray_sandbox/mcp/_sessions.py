@@ -123,7 +123,9 @@ class Sessions:
 
     def _delete(self, sandbox_id: str) -> None:
         try:
-            self._runtime.delete(sandbox_id)
+            # wait: the server may be stopped by a signal right after, which would cut a
+            # background teardown short (then only the node's next gc finishes it)
+            self._runtime.delete(sandbox_id, wait=True)
         except SandboxError as exc:  # the runtime's gc removes whatever is left
             log.warning("deleting sandbox %s failed: %s", sandbox_id, exc)
 

@@ -203,13 +203,17 @@ class SandboxRuntime:
         if self.records.owns(sandbox_id):
             self._launcher.destroy(sandbox_id, reason="TTLExpired")
 
-    def delete(self, sandbox_id: str) -> None:
+    def delete(self, sandbox_id: str, *, wait: bool = False) -> None:
         """Stop the sandbox and remove everything it owns. Idempotent. On return it can no
         longer run or be reached and its id raises SandboxNotFoundError; runsc state,
         network, cgroups, mounts and files are removed in the background (by the next
-        :meth:`gc` if this process dies first)."""
+        :meth:`gc` if this process dies first), or before it returns with ``wait=True``
+        (for a process that may be killed right after, e.g. a server on SIGTERM)."""
         check_id(sandbox_id)
-        self._launcher.delete(sandbox_id, reason="Deleted")
+        if wait:
+            self._launcher.destroy(sandbox_id, reason="Deleted")
+        else:
+            self._launcher.delete(sandbox_id, reason="Deleted")
 
     terminate = delete
 
