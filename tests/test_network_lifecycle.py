@@ -143,7 +143,7 @@ def test_gc_after_a_crash(tmp_path: Path, upstream) -> None:
     (tmp_path / lost / "network.json").unlink()  # its state dir is gone too: sweep by name
     removed = network.gc({live}, tmp_path)
     assert f"sandbox {dead}" in removed
-    assert any(_lifecycle.tag(lost) in r for r in removed)
+    assert any(lost in r or _lifecycle.tag(lost) in r for r in removed)
     left = network.leftovers()  # node-wide: keep only this test's objects
     tags = {_lifecycle.tag(s) for s in (live, dead, lost)}
     assert [n for n in left["netns"] if n in tags] == [_lifecycle.tag(live)]
@@ -152,6 +152,21 @@ def test_gc_after_a_crash(tmp_path: Path, upstream) -> None:
     assert [s for s in left["leases"] if s in (live, dead, lost)] == [live]
     network.gc(set(), tmp_path)
     assert not (tmp_path / live / "network.json").exists()
+
+
+def test_detach_without_state_removes_by_name_what_is_recorded(tmp_path: Path, upstream) -> None:
+    """A teardown cut short can leave the lease with its state file gone (seen: a netns
+    left on the node after a Ray host was killed mid-teardown). Detach must not only drop
+    the lease then, or nothing would ever find the netns again."""
+    sid = _sid()
+    _crash(sid, make_config(network="sandbox"), _dir(tmp_path, sid))
+    (tmp_path / sid / "network.json").unlink()
+    network.detach(sid, tmp_path / sid)
+    left = network.leftovers()
+    tag = _lifecycle.tag(sid)
+    assert tag not in left["netns"] and sid not in left["leases"]
+    assert not [p for p in left["processes"] if tag in p]
+    assert not [x for x in left["links"] + left["nft_tables"] if tag in x]
 
 
 def test_concurrent_attaches_get_distinct_subnets(tmp_path: Path, upstream) -> None:

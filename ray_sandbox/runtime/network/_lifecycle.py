@@ -220,7 +220,11 @@ def detach(sandbox_id: str, state_dir: Path) -> None:
     if st is not None:
         _teardown(st, state_dir)
     elif sandbox_id in alloc.read().sandbox_ids():
-        _release({sandbox_id})  # a crash between leasing and the first save
+        # No state but a lease: a crash between leasing and the first save, or a teardown
+        # cut short after its state file went. Whatever exists goes by name before the lease
+        # does: without the lease nothing would ever look for it again.
+        _sweep({tag(sandbox_id)})
+        _release({sandbox_id})
     _state.remove(state_dir)
 
 
