@@ -57,7 +57,7 @@ _BOOT_PARALLEL = 16  # sandboxes booting at once on one host; more only queue in
 log = logging.getLogger(__name__)
 
 
-def _seconds_env(name: str, default: float) -> float:
+def _number_env(name: str, default: float) -> float:
     raw = os.environ.get(name, str(default))
     try:
         return float(raw)
@@ -68,7 +68,7 @@ def _seconds_env(name: str, default: float) -> float:
 
 def _sweep_interval() -> float:
     """How often reservations are checked one by one (removed by hand, a dead node's)."""
-    return _seconds_env("RAY_SANDBOX_PG_SWEEP_S", 60.0)
+    return _number_env("RAY_SANDBOX_PG_SWEEP_S", 60.0)
 
 
 def current_job() -> str:
@@ -100,14 +100,19 @@ class SandboxHost:
         self._closing = False
         self._retiring = False
         self._idle_since = time.monotonic()
-        self._idle_limit = _seconds_env("RAY_SANDBOX_HOST_IDLE_S", 60.0)
+        self._idle_limit = _number_env("RAY_SANDBOX_HOST_IDLE_S", 60.0)
         self._idle = threading.Condition(self._lock)
         self._boots = threading.BoundedSemaphore(_BOOT_PARALLEL)
         self._blocks = Blocks(self.node_id, Path(self._rt.home) / "blocks",
-                              idle_s=_seconds_env("RAY_SANDBOX_BLOCK_IDLE_S", 10.0))
+                              idle_s=_number_env("RAY_SANDBOX_BLOCK_IDLE_S", 10.0))
         release_reaped(self._rt)  # a restarted host: the dead incarnation's sandboxes
         self._booting = 0  # callers' boots in flight (the stock's refills wait for none)
-        self._stock = Stock(self._rt, self._blocks, self.node_id, busy=self._boots_in_flight)
+        self._stock = Stock(
+            self._rt, self._blocks, self.node_id, busy=self._boots_in_flight,
+            per_shape=int(_number_env("RAY_SANDBOX_STOCK_PER_SHAPE", 8)),
+            total=int(_number_env("RAY_SANDBOX_STOCK_MAX", 0)),  # off: see stock.py
+            idle_s=_number_env("RAY_SANDBOX_STOCK_IDLE_S", 30.0),
+            share=_number_env("RAY_SANDBOX_STOCK_SHARE", 0.25))
         threading.Thread(target=self._watch, name="ray-sandbox-pg-watch", daemon=True).start()
 
     def ping(self) -> str:

@@ -32,7 +32,6 @@ own (docs/ray.md, "Stock").
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -58,15 +57,6 @@ _CLOSE_WAIT_S = 60.0  # how long close() waits for refills in flight (a boot tak
 log = logging.getLogger(__name__)
 
 
-def _env(name: str, default: float) -> float:
-    """A non-negative number from the environment; a bad value is logged and ignored."""
-    try:
-        return max(0.0, float(os.environ.get(name, default)))
-    except ValueError:
-        log.warning("%s is not a number; using %g", name, default)
-        return default
-
-
 @dataclass
 class _Shelf:
     config: SandboxConfig  # the boot: the caller's config without its personal fields
@@ -82,16 +72,20 @@ class Stock:
     """The stock of one host. Thread-safe; one refill thread."""
 
     def __init__(self, rt: SandboxRuntime, blocks: Blocks, node_id: str, *,
-                 busy: Callable[[], bool]) -> None:
+                 busy: Callable[[], bool], per_shape: int, total: int, idle_s: float,
+                 share: float) -> None:
+        """``per_shape``, ``total``, ``idle_s`` and ``share`` are the module docstring's
+        ``RAY_SANDBOX_STOCK_*`` settings (the host reads them); ``total`` 0 is off."""
         self._rt = rt
         self._blocks = blocks
         self._node_id = node_id
         self._busy = busy
-        self._per_shape = int(_env("RAY_SANDBOX_STOCK_PER_SHAPE", 8))
-        self._max = int(_env("RAY_SANDBOX_STOCK_MAX", 0))
-        self._idle_s = _env("RAY_SANDBOX_STOCK_IDLE_S", 30.0)
-        share = min(1.0, _env("RAY_SANDBOX_STOCK_SHARE", 0.25))
-        self._budget = {k: v * share for k, v in _node_resources(node_id).items()}
+        self._per_shape = max(0, per_shape)
+        self._max = max(0, total)
+        self._idle_s = max(0.0, idle_s)
+        share = min(1.0, max(0.0, share))
+        self._budget = ({k: v * share for k, v in _node_resources(node_id).items()}
+                        if self._max else {})  # off: no GCS read
         self._lock = threading.Condition()
         self._shelves: dict[tuple[str, Shape], _Shelf] = {}
         self._hits = self._misses = self._booting = 0
