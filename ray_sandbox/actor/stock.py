@@ -5,8 +5,7 @@ A shelf holds the stock of one boot (``runtime.config.boot_key``: image, limits,
 mode, …) and one Ray shape. Each miss on a shelf raises its target by one (up to
 ``RAY_SANDBOX_STOCK_PER_SHAPE``, 8); a shelf nobody took from for ``RAY_SANDBOX_STOCK_IDLE_S``
 seconds (30) lowers it by one and deletes what is over. All shelves together hold at most
-``RAY_SANDBOX_STOCK_MAX`` sandboxes (0, the default, switches the stock off; 32 is a good
-start) and at most
+``RAY_SANDBOX_STOCK_MAX`` sandboxes (32; 0 switches the stock off) and at most
 ``RAY_SANDBOX_STOCK_SHARE`` (0.25) of each resource the node gives Ray (CPU, memory, …):
 the stock must not keep other Ray work off the node.
 
@@ -17,11 +16,11 @@ the stock must not keep other Ray work off the node.
   is in flight on the host, so the stock does not compete with the boots callers wait for
   (hand-outs from the stock do not hold refills back).
 - A taken sandbox leaves the stock for good: a sandbox anybody used is never handed out.
-- Stocked sandboxes belong to the host's process: if the host dies they are reaped by its
-  next incarnation, like every other sandbox of the dead host. That is also why the stock is
-  off by default: a host killed with its Ray cluster (``ray.shutdown()`` of a local cluster)
-  leaves its stock running until the node's next gc, although the caller deleted everything
-  it made. Making stocked sandboxes die with their host is the open work that turns it on.
+- Stocked sandboxes die with their host, at once and however it dies: a keeper process
+  (``runtime.keeper``) waits for the host's process to exit and deletes them. The host's
+  other sandboxes are reaped by its next incarnation or the node's next gc; the stock must
+  not wait for that, since nobody else knows of it (a local Ray cluster shut down with its
+  hosts would otherwise leave it running although the caller deleted everything it made).
 
 What a taken sandbox shows that a fresh one would not: a longer uptime (``/proc/uptime``)
 and the agent's connection handler already running (a fresh sandbox has it after its first
@@ -40,7 +39,7 @@ from dataclasses import dataclass, field
 
 import ray
 
-from ..runtime import SandboxRuntime
+from ..runtime import SandboxRuntime, keeper
 from ..runtime.config import PERSONAL_FIELDS, SandboxConfig, boot_key
 from ..runtime.errors import CapacityError, SandboxError
 from . import metrics
@@ -91,6 +90,7 @@ class Stock:
         self._hits = self._misses = self._booting = 0
         self._closed = False
         if self._max:
+            keeper.start(rt.home, {STOCK_LABEL: "1"})
             threading.Thread(target=self._loop, name="ray-sandbox-stock", daemon=True).start()
 
     # --- callers -----------------------------------------------------------------------------
