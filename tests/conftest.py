@@ -7,4 +7,5 @@ pytest_plugins = [
     "tests.fx_runtime",
     "tests.fx_ray",
     "tests.fx_hostile",
+    "tests.fx_service",
 ]

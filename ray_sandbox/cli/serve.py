@@ -1,0 +1,60 @@
+"""``ray-sandbox serve``: the HTTP service (docs/service.md) on a Ray cluster, until
+interrupted. Tokens come from the environment or ``--tokens-file``; the service's sandboxes
+outlive it and are adopted by its next start."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from ..runtime.errors import ConfigError
+
+err = Console(stderr=True)
+
+
+def serve(
+    host: Annotated[str, typer.Option(help="bind address of Serve's HTTP proxy")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="HTTP port")] = 8000,
+    address: Annotated[str | None, typer.Option(
+        help="Ray cluster to join (default: RAY_ADDRESS, a running local one, or a new one)")
+    ] = None,
+    tokens_file: Annotated[Path | None, typer.Option(
+        help="one tenant=token a line (also RAY_SANDBOX_API_TOKENS_FILE)")] = None,
+    quota: Annotated[list[str], typer.Option(
+        help="[TENANT:]sandboxes=N,cpu=C,memory=M (repeatable; no tenant: every tenant)")
+    ] = [],  # noqa: B006 - typer reads the default
+    max_file_bytes: Annotated[int | None, typer.Option(help="one file up or down")] = None,
+    audit_log: Annotated[Path | None, typer.Option(help="also append audit lines here")] = None,
+) -> None:
+    """Serve sandboxes over HTTP (/api/v1) on Ray Serve. Tokens: RAY_SANDBOX_API_TOKEN (one
+    tenant), RAY_SANDBOX_API_TOKENS=tenant=token,... or --tokens-file."""
+    try:
+        import ray
+
+        from ..service import from_env, start, stop
+    except ImportError as exc:
+        err.print(f"[red]error:[/red] the service needs Ray Serve ({escape(str(exc))}): "
+                  "pip install 'ray_sandbox[service]'")
+        raise typer.Exit(2) from None
+    settings = {k: v for k, v in {"max_file_bytes": max_file_bytes,
+                                  "audit_log": audit_log}.items() if v is not None}
+    try:
+        config = from_env(tokens_file=tokens_file, quotas=tuple(quota), **settings)
+    except ConfigError as exc:
+        err.print(f"[red]error:[/red] {escape(str(exc))}")
+        raise typer.Exit(2) from None
+    ray.init(address=address, log_to_driver=False)
+    url = start(config, host, port)
+    err.print(f"serving {url} for tenants {', '.join(sorted(config.tokens))}")
+    stopped = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopped.set())
+    stopped.wait()
+    stop()
+    ray.shutdown()

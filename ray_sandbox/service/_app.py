@@ -1,0 +1,216 @@
+"""The HTTP app: routes under ``/api/v1`` over :class:`Sandboxes`, behind one guard that
+authenticates, bounds request bodies and writes the audit line."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+from typing import Annotated, Any
+
+from fastapi import FastAPI, Query, Request, Response
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from . import _errors
+from ._config import ServiceConfig
+from ._models import (
+    Created,
+    CreateExec,
+    CreateSandbox,
+    Deleted,
+    ExecCreated,
+    ExecInfo,
+    SandboxInfo,
+    SandboxList,
+    check_path,
+)
+from ._sandboxes import Sandboxes, make_options
+
+PREFIX = "/api/v1"
+PUBLIC = frozenset({f"{PREFIX}/health", f"{PREFIX}/openapi.json"})
+MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+# Route parameters live here: the routes' annotations are strings resolved in this module.
+Wait = Annotated[float, Query(ge=0, description="long-poll seconds (capped by the service)")]
+Path = Annotated[str, Query(description="absolute path inside the sandbox")]
+
+audit_log = logging.getLogger("ray_sandbox.service.audit")
+
+
+def authenticate(tokens: dict[str, bytes], header: str) -> str | None:
+    """The tenant whose token ``Authorization: Bearer <token>`` carries, or None. Every
+    token is compared, in constant time: neither the answer's timing nor its order tells
+    how much of a guess was right or which tenant came close."""
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    given_b = given.strip().encode()
+    found = None
+    for tenant, token in tokens.items():
+        if hmac.compare_digest(given_b, token) and found is None:
+            found = tenant
+    return found
+
+
+class Guard:
+    """Outermost: 401 before anything is read, 413 past the body limit (the declared length
+    or the bytes that arrive), one audit line per mutating call."""
+
+    def __init__(self, app: ASGIApp, config: ServiceConfig) -> None:
+        self._app = app
+        self._config = config
+        self._tokens = {t: s.get_secret_value().encode() for t, s in config.tokens.items()}
+        if config.audit_log is not None:
+            handler = logging.FileHandler(config.audit_log)
+            handler.setFormatter(logging.Formatter("%(message)s"))
+            audit_log.addHandler(handler)
+            audit_log.setLevel(logging.INFO)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        tenant = None
+        if scope["path"] not in PUBLIC:
+            tenant = authenticate(self._tokens, headers.get("authorization", ""))
+            if tenant is None:
+                await _refuse(send, 401, "send Authorization: Bearer <token> with a valid "
+                                         "token")
+                return
+        scope.setdefault("state", {})["tenant"] = tenant
+        limit = (self._config.max_file_bytes if scope["path"].endswith("/files")
+                 else self._config.max_body_bytes)
+        try:
+            declared = int(headers.get("content-length", "0"))
+        except ValueError:
+            declared = -1
+        if declared < 0 or declared > limit:
+            await _refuse(send, 413 if declared > limit else 400,
+                          f"the body is over the limit of {limit} bytes" if declared > limit
+                          else "bad Content-Length")
+            return
+        status = 0
+        received = 0
+
+        async def bounded_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > limit:  # chunked, or more than it declared
+                raise _errors.refusal(413, f"the body is over the limit of {limit} bytes")
+            return message
+
+        async def watch(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        t0 = time.monotonic()
+        try:
+            await self._app(scope, bounded_receive, watch)
+        finally:
+            if scope["method"] in MUTATING:
+                audit_log.info(json.dumps({
+                    "time": round(time.time(), 3), "tenant": tenant, "method": scope["method"],
+                    "path": scope["path"], "query": scope.get("query_string", b"").decode(
+                        "latin-1")[:512], "status": status,
+                    "ms": round((time.monotonic() - t0) * 1000, 1)}))
+
+
+async def _refuse(send: Send, status: int, message: str) -> None:
+    payload = json.dumps(_errors.body(_errors.CODES[status], message)).encode()
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(payload)).encode())]
+    if status == 401:
+        headers.append((b"www-authenticate", b'Bearer realm="ray-sandbox"'))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
+
+
+def build_app(config: ServiceConfig) -> Any:
+    """The ASGI app of one replica."""
+    sandboxes = Sandboxes(config)
+    app = FastAPI(title="ray_sandbox", version="1", openapi_url=f"{PREFIX}/openapi.json",
+                  docs_url=None, redoc_url=None)
+    app.state.sandboxes = sandboxes
+    _errors.install(app)
+
+    def tenant(request: Request) -> str:
+        return request.state.tenant
+
+    @app.get(f"{PREFIX}/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.post(f"{PREFIX}/sandboxes", status_code=202)
+    async def create_sandbox(request: Request, body: CreateSandbox) -> Created:
+        entry = await sandboxes.create(tenant(request), make_options(body))
+        return Created(sandbox_id=entry.api_id)
+
+    @app.get(f"{PREFIX}/sandboxes")
+    async def list_sandboxes(
+        request: Request,
+        label: Annotated[list[str], Query(description="k=v, all must match")] = [],  # noqa: B006
+    ) -> SandboxList:
+        wanted = {}
+        for item in label:
+            k, eq, v = item.partition("=")
+            if not eq or not k:
+                raise _errors.refusal(400, f"label filters are k=v, got {item!r}")
+            wanted[k] = v
+        return SandboxList(sandboxes=await sandboxes.list(tenant(request), wanted))
+
+    @app.get(f"{PREFIX}/sandboxes/{{sandbox_id}}")
+    async def get_sandbox(request: Request, sandbox_id: str,
+                          wait_seconds: Wait = 0.0) -> SandboxInfo:
+        entry = await sandboxes.find(tenant(request), sandbox_id)
+        return await sandboxes.info(entry, wait_seconds)
+
+    @app.delete(f"{PREFIX}/sandboxes/{{sandbox_id}}")
+    async def delete_sandbox(request: Request, sandbox_id: str) -> Deleted:
+        await sandboxes.delete(tenant(request), sandbox_id)
+        return Deleted(sandbox_id=sandbox_id)
+
+    @app.post(f"{PREFIX}/sandboxes/{{sandbox_id}}/execs", status_code=202)
+    async def create_exec(request: Request, sandbox_id: str, body: CreateExec) -> ExecCreated:
+        entry = await sandboxes.running(tenant(request), sandbox_id)
+        ex = await sandboxes.start_exec(entry, body.command, timeout=body.timeout_seconds,
+                                        env=body.env or None, cwd=body.cwd, stdin=body.stdin)
+        return ExecCreated(exec_id=ex.exec_id)
+
+    @app.get(f"{PREFIX}/sandboxes/{{sandbox_id}}/execs/{{exec_id}}")
+    async def get_exec(request: Request, sandbox_id: str, exec_id: str,
+                       wait_seconds: Wait = 0.0) -> ExecInfo:
+        entry = await sandboxes.running(tenant(request), sandbox_id)
+        return await sandboxes.exec_info(entry, exec_id, wait_seconds)
+
+    @app.put(f"{PREFIX}/sandboxes/{{sandbox_id}}/files", status_code=204,
+             openapi_extra={"requestBody": {"content": {"application/octet-stream": {}}}})
+    async def put_file(request: Request, sandbox_id: str, path: Path) -> Response:
+        where = _path(path)
+        entry = await sandboxes.running(tenant(request), sandbox_id)
+        data = await request.body()  # bounded by the guard
+        await sandboxes.call(entry.handle.write_file.remote(where, data))
+        return Response(status_code=204)
+
+    @app.get(f"{PREFIX}/sandboxes/{{sandbox_id}}/files",
+             responses={200: {"content": {"application/octet-stream": {}}}})
+    async def get_file(request: Request, sandbox_id: str, path: Path) -> Response:
+        where = _path(path)
+        entry = await sandboxes.running(tenant(request), sandbox_id)
+        data = await sandboxes.call(entry.handle.read_file.remote(
+            where, max_bytes=config.max_file_bytes))
+        return Response(data, media_type="application/octet-stream")
+
+    return Guard(app, config)
+
+
+def _path(path: str) -> str:
+    try:
+        return check_path(path)
+    except ValueError as exc:
+        raise _errors.refusal(400, str(exc)) from None

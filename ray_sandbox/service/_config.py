@@ -1,0 +1,146 @@
+"""ServiceConfig: who may call the service (tokens → tenants), what each tenant may hold
+(quotas) and the bounds every request is held to. Parsed and validated before anything
+starts; the parsers are pure so they are tested without a server."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+
+from ..runtime.config import parse_size
+from ..runtime.errors import ConfigError
+
+DEFAULT_TENANT = "default"  # the tenant of RAY_SANDBOX_API_TOKEN (one token, one tenant)
+ANY_TENANT = "*"  # the quota key every tenant without its own quota gets
+
+
+class Quota(BaseModel):
+    """What one tenant may hold at once; a create that would exceed it is refused (429)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    sandboxes: int = Field(20, ge=0)
+    cpu: float = Field(16.0, ge=0, description="cores, summed over the tenant's sandboxes")
+    memory: int = Field(32 * 2**30, ge=0, description="bytes; '32Gi' accepted")
+
+    @field_validator("memory", mode="before")
+    @classmethod
+    def _size(cls, v: object) -> object:
+        return parse_size(v) if isinstance(v, str) else v
+
+
+class ServiceConfig(BaseModel):
+    """Settings of one service deployment."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tokens: dict[str, SecretStr] = Field(description="tenant -> bearer token")
+    quotas: dict[str, Quota] = Field(default_factory=lambda: {ANY_TENANT: Quota()})
+    max_body_bytes: int = Field(1 << 20, gt=0, description="JSON request bodies")
+    max_file_bytes: int = Field(64 << 20, gt=0, description="one file up or down")
+    max_wait_seconds: float = Field(60.0, gt=0, description="cap on a long-poll's wait_seconds")
+    max_exec_timeout: float = Field(3600.0, gt=0, description="cap on an exec's timeout")
+    max_output_bytes: int = Field(1 << 20, gt=0, description="kept per stream of one exec")
+    max_execs_per_sandbox: int = Field(64, gt=0, description="stored results; oldest evicted")
+    max_errored: int = Field(64, gt=0, description="failed creates kept per tenant for GET")
+    create_threads: int = Field(16, gt=0, description="creates and listings run at once")
+    call_timeout: float = Field(120.0, gt=0, description="bound on one call to a host")
+    create_timeout: float = Field(600.0, gt=0, description="wait for room (and an image pull)")
+    max_ongoing_requests: int = Field(1024, gt=0, description="per replica (long polls wait)")
+    audit_log: Path | None = Field(None, description="also append audit lines to this file")
+    allow_host_network: bool = Field(False, description="network='host' shares the node's")
+
+    @field_validator("tokens")
+    @classmethod
+    def _tokens(cls, v: dict[str, SecretStr]) -> dict[str, SecretStr]:
+        if not v:
+            raise ValueError("no API token: set RAY_SANDBOX_API_TOKEN, RAY_SANDBOX_API_TOKENS "
+                             "or a tokens file")
+        values = [t.get_secret_value() for t in v.values()]
+        if len(set(values)) != len(values):
+            raise ValueError("two tenants share a token")
+        if any(len(t) < 8 for t in values):
+            raise ValueError("tokens must be at least 8 characters")
+        return v
+
+    def quota(self, tenant: str) -> Quota:
+        return self.quotas.get(tenant) or self.quotas.get(ANY_TENANT) or Quota()
+
+
+def parse_tokens(text: str, *, separator: str = ",") -> dict[str, str]:
+    """``tenant=token`` pairs split by ``separator`` (a tokens file uses newlines; blank
+    lines and ``#`` comments are skipped) -> {tenant: token}."""
+    out: dict[str, str] = {}
+    for raw in text.split(separator):
+        item = raw.strip()
+        if not item or item.startswith("#"):
+            continue
+        tenant, eq, token = item.partition("=")
+        tenant, token = tenant.strip(), token.strip()
+        if not eq or not tenant or not token:
+            raise ConfigError(f"expected tenant=token, got {_redact(item)!r}")
+        if tenant in out:
+            raise ConfigError(f"tenant {tenant!r} is given twice")
+        out[tenant] = token
+    return out
+
+
+def _redact(item: str) -> str:
+    tenant, eq, _ = item.partition("=")
+    return f"{tenant}=…" if eq else "…"
+
+
+def tokens_from(environ: Mapping[str, str], tokens_file: Path | None = None) -> dict[str, str]:
+    """Tokens from, merged: ``RAY_SANDBOX_API_TOKEN`` (tenant ``default``),
+    ``RAY_SANDBOX_API_TOKENS`` (``tenant=token,...``) and a tokens file (or
+    ``RAY_SANDBOX_API_TOKENS_FILE``), one ``tenant=token`` a line."""
+    found: dict[str, str] = {}
+
+    def merge(more: dict[str, str], where: str) -> None:
+        for tenant in more.keys() & found.keys():
+            raise ConfigError(f"tenant {tenant!r} is given twice ({where})")
+        found.update(more)
+
+    if environ.get("RAY_SANDBOX_API_TOKEN"):
+        merge({DEFAULT_TENANT: environ["RAY_SANDBOX_API_TOKEN"].strip()}, "RAY_SANDBOX_API_TOKEN")
+    if environ.get("RAY_SANDBOX_API_TOKENS"):
+        merge(parse_tokens(environ["RAY_SANDBOX_API_TOKENS"]), "RAY_SANDBOX_API_TOKENS")
+    path = tokens_file or (Path(environ["RAY_SANDBOX_API_TOKENS_FILE"])
+                           if environ.get("RAY_SANDBOX_API_TOKENS_FILE") else None)
+    if path is not None:
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read the tokens file {path}: {exc.strerror}") from None
+        merge(parse_tokens(text, separator="\n"), str(path))
+    return found
+
+
+def parse_quota(spec: str) -> tuple[str, Quota]:
+    """``[tenant:]sandboxes=N,cpu=C,memory=M`` (any subset) -> (tenant or ``*``, Quota)."""
+    tenant, colon, rest = spec.rpartition(":") if ":" in spec else ("", "", spec)
+    values: dict[str, str] = {}
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or key.strip() not in Quota.model_fields:
+            raise ConfigError(f"bad quota {item!r}: use sandboxes=N, cpu=C, memory=M")
+        values[key.strip()] = value.strip()
+    try:
+        return (tenant.strip() if colon else ANY_TENANT), Quota.model_validate(values)
+    except ValueError as exc:
+        raise ConfigError(f"bad quota {spec!r}: {exc}") from None
+
+
+def from_env(environ: Mapping[str, str] | None = None, *, tokens_file: Path | None = None,
+             quotas: tuple[str, ...] = (), **settings: object) -> ServiceConfig:
+    """A ServiceConfig from the environment, quota specs and explicit settings."""
+    tokens = tokens_from(os.environ if environ is None else environ, tokens_file)
+    parsed = dict(parse_quota(q) for q in quotas)
+    try:
+        return ServiceConfig(tokens=tokens, quotas={ANY_TENANT: Quota(), **parsed},
+                             **settings)
+    except ValueError as exc:
+        raise ConfigError(f"invalid service config: {exc}") from None

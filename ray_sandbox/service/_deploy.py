@@ -1,0 +1,48 @@
+"""The Ray Serve deployment: one replica (it holds the execs' results and the tenants'
+books) serving the app, and starting it on a running Ray cluster."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+
+from ._app import build_app
+from ._config import ServiceConfig
+
+APP_NAME = "ray-sandbox"
+
+
+class SandboxService:
+    """Builds the app in the replica, so nothing but the config crosses to it."""
+
+    def __init__(self, config: ServiceConfig) -> None:
+        self._app = build_app(config)
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return self._app
+
+
+def application(config: ServiceConfig) -> Any:
+    """The Serve application, for ``serve.run`` (or a RayService's import path)."""
+    deployment = serve.deployment(
+        name="SandboxService",
+        num_replicas=1,  # exec results and in-flight creates live in the replica
+        max_ongoing_requests=config.max_ongoing_requests,  # long polls hold a request each
+        ray_actor_options={"num_cpus": 0},  # sandboxes reserve their own CPUs
+    )(serve.ingress()(SandboxService))
+    return deployment.bind(config)
+
+
+def start(config: ServiceConfig, host: str = "127.0.0.1", port: int = 8000) -> str:
+    """Start Serve's proxy on ``host:port`` and deploy the service (on the connected Ray
+    cluster); returns its base URL."""
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(application(config), name=APP_NAME, route_prefix="/", blocking=False)
+    return f"http://{host}:{port}/api/v1"
+
+
+def stop() -> None:
+    """Delete the service's app and stop Serve."""
+    serve.delete(APP_NAME)
+    serve.shutdown()

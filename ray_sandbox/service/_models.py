@@ -1,0 +1,104 @@
+"""Request and response bodies: the REST shape of Ray's proposed sandbox API (``/api/v1``),
+validated at the boundary (unknown fields are refused)."""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic.json_schema import SkipJsonSchema
+
+from ..runtime.config import MAX_TIMEOUT, SandboxConfig
+
+SandboxStatusName = Literal["pending", "running", "paused", "suspended", "error", "terminated"]
+ExecStatusName = Literal["running", "completed", "timed_out", "failed"]
+
+
+class CreateSandbox(SandboxConfig):
+    """``POST /sandboxes``: every :class:`SandboxConfig` option, as there. A
+    ``spec_transform`` is code and cannot cross HTTP."""
+
+    spec_transform: SkipJsonSchema[None] = Field(None, exclude=True)
+
+
+class Created(BaseModel):
+    sandbox_id: str
+    status: SandboxStatusName = "pending"
+
+
+class SandboxInfo(BaseModel):
+    """``GET /sandboxes/{id}``."""
+
+    sandbox_id: str
+    status: SandboxStatusName
+    reason: str | None = None
+    image: str
+    cpu: float
+    memory: int
+    labels: dict[str, str] = Field(default_factory=dict)
+    created_at: float | None = Field(None, description="Unix time the create was accepted")
+
+
+class SandboxList(BaseModel):
+    sandboxes: list[SandboxInfo]
+
+
+class Deleted(BaseModel):
+    sandbox_id: str
+    status: Literal["terminated"] = "terminated"
+
+
+class CreateExec(BaseModel):
+    """``POST /sandboxes/{id}/execs``: an argv list, or a string run by the shell."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    command: list[str] | str = Field(min_length=1)
+    timeout_seconds: float | None = Field(None, gt=0, le=MAX_TIMEOUT)
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: str | None = None
+    stdin: str | None = None
+
+    @field_validator("command")
+    @classmethod
+    def _command(cls, v: list[str] | str) -> list[str] | str:
+        items = [v] if isinstance(v, str) else v
+        if any("\0" in a for a in items):
+            raise ValueError("command contains a NUL byte")
+        if isinstance(v, str) and not v.strip():
+            raise ValueError("command is empty")
+        return v
+
+    @field_validator("cwd")
+    @classmethod
+    def _cwd(cls, v: str | None) -> str | None:
+        if v is not None:
+            check_path(v)
+        return v
+
+
+class ExecCreated(BaseModel):
+    exec_id: str
+    status: ExecStatusName = "running"
+
+
+class ExecInfo(BaseModel):
+    """``GET /sandboxes/{id}/execs/{exec_id}``."""
+
+    exec_id: str
+    status: ExecStatusName
+    exit_code: int | None = None
+    stdout: str = ""
+    stderr: str = ""
+    truncated: bool = False
+    duration_seconds: float | None = None
+    error: dict[str, str] | None = Field(None, description="{code, message} when failed")
+
+
+def check_path(path: str) -> str:
+    """An absolute path inside the sandbox, normalized; a relative one, an empty one or one
+    with a NUL byte is refused (the sandbox's own root bounds where it can lead)."""
+    if not path.startswith("/") or "\0" in path or len(path) > 4096:
+        raise ValueError(f"path must be absolute, without NUL, at most 4096 bytes: {path!r}")
+    return os.path.normpath(path)

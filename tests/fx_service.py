@@ -1,0 +1,90 @@
+"""Fixtures for the HTTP service: one real Serve app on the module's real local Ray cluster
+(tests/fx_ray.py), two tenants, a small quota for one, bounds small enough to reach; Serve is
+shut down and every sandbox it made deleted at teardown."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+TOKENS = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789"}
+# bob may hold one sandbox of at most 1 CPU and 1 GiB
+BOB_QUOTA = "bob:sandboxes=1,cpu=1,memory=1Gi"
+LIMITS = {"max_body_bytes": 64 * 1024, "max_file_bytes": 1 << 20, "max_wait_seconds": 5.0,
+          "max_execs_per_sandbox": 4, "max_output_bytes": 64 * 1024}
+
+
+@dataclass(frozen=True)
+class Service:
+    url: str  # .../api/v1
+    audit_log: Path
+
+    def client(self, tenant: str = "alice", **kw) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {TOKENS[tenant]}"} if tenant else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=60, **kw)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def service(ray_cluster, tmp_path_factory) -> Iterator[Service]:
+    from ray_sandbox import service as svc
+
+    audit = tmp_path_factory.mktemp("service") / "audit.log"
+    tokens = ",".join(f"{t}={v}" for t, v in TOKENS.items())
+    config = svc.from_env({"RAY_SANDBOX_API_TOKENS": tokens}, quotas=(BOB_QUOTA,),
+                          audit_log=audit, **LIMITS)
+    url = svc.start(config, "127.0.0.1", free_port())
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the service did not come up in 60 s"
+            time.sleep(0.2)
+        yield Service(url, audit)
+    finally:
+        _delete_service_sandboxes()
+        svc.stop()
+
+
+def _delete_service_sandboxes() -> None:
+    import ray
+
+    import ray_sandbox
+    from ray_sandbox.service._sandboxes import TENANT_LABEL
+
+    for tenant in TOKENS:
+        handles = ray_sandbox.list({TENANT_LABEL: tenant})
+        ray.get([h.terminate.remote() for h in handles], timeout=120)
+
+
+def poll(c: httpx.Client, path: str, pending: str, limit: float = 120) -> dict:
+    """Long-poll ``path`` until its status is no longer ``pending`` (bounded)."""
+    deadline = time.monotonic() + limit
+    while True:
+        r = c.get(path, params={"wait_seconds": 5})
+        assert r.status_code == 200, r.text
+        if r.json()["status"] != pending or time.monotonic() > deadline:
+            return r.json()
+
+
+def wait_running(c: httpx.Client, sandbox_id: str) -> dict:
+    return poll(c, f"/sandboxes/{sandbox_id}", "pending")
+
+
+def wait_exec(c: httpx.Client, sandbox_id: str, exec_id: str) -> dict:
+    return poll(c, f"/sandboxes/{sandbox_id}/execs/{exec_id}", "running")

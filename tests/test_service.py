@@ -1,0 +1,237 @@
+"""The HTTP service, end to end: a real Serve app on a real local Ray cluster driving real
+gVisor sandboxes, called over HTTP like any client would (contract tests of issue 21)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from ray_sandbox.runtime.config import SandboxConfig
+from tests.fx_service import TOKENS, Service, wait_exec, wait_running
+
+BUSYBOX = "ray-sandbox/busybox"
+
+
+def create(c: httpx.Client, **body) -> str:
+    r = c.post("/sandboxes", json={"image": BUSYBOX, "cpu": 0.25, "memory": "128Mi", **body})
+    assert r.status_code == 202, r.text
+    return r.json()["sandbox_id"]
+
+
+def error(r: httpx.Response, status: int, code: str | None = None) -> str:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"code", "message"}
+    if code is not None:
+        assert err["code"] == code, err
+    return err["message"]
+
+
+def test_health_needs_no_token_and_everything_else_does(service: Service):
+    assert httpx.get(f"{service.url}/health").json() == {"status": "ok"}
+    with service.client(None) as anon:
+        for method, path in [("GET", "/sandboxes"), ("POST", "/sandboxes"),
+                             ("GET", "/sandboxes/" + "0" * 32), ("GET", "/no/such/route")]:
+            r = anon.request(method, path)
+            error(r, 401, "unauthorized")
+            assert r.headers["www-authenticate"].startswith("Bearer")
+        for header in ["Bearer wrong-token-0123456789", "Basic " + TOKENS["alice"],
+                       "Bearer " + TOKENS["alice"][:-1], "Bearer"]:
+            error(anon.get("/sandboxes", headers={"Authorization": header}), 401,
+                  "unauthorized")
+
+
+def test_lifecycle_create_exec_files_labels_delete(service: Service):
+    with service.client() as c:
+        sid = create(c, labels={"suite": "lifecycle"}, env={"GREETING": "hi"})
+        info = wait_running(c, sid)
+        assert info["status"] == "running", info
+        assert info["labels"] == {"suite": "lifecycle"} and info["image"] == BUSYBOX
+
+        r = c.post(f"/sandboxes/{sid}/execs",
+                   json={"command": ["sh", "-c", "echo $GREETING out; echo err >&2; exit 4"]})
+        assert r.status_code == 202, r.text
+        done = wait_exec(c, sid, r.json()["exec_id"])
+        assert done["status"] == "completed" and done["exit_code"] == 4
+        assert done["stdout"] == "hi out\n" and done["stderr"] == "err\n"
+
+        shell = c.post(f"/sandboxes/{sid}/execs", json={
+            "command": "cat; pwd", "stdin": "from stdin\n", "cwd": "/tmp",
+            "env": {"X": "1"}}).json()
+        assert wait_exec(c, sid, shell["exec_id"])["stdout"] == "from stdin\n/tmp\n"
+
+        payload = bytes(range(256)) * 40
+        r = c.put(f"/sandboxes/{sid}/files", params={"path": "/tmp/d/data.bin"},
+                  content=payload)
+        assert r.status_code == 204, r.text
+        r = c.get(f"/sandboxes/{sid}/files", params={"path": "/tmp/d/data.bin"})
+        assert r.status_code == 200 and r.content == payload
+        error(c.get(f"/sandboxes/{sid}/files", params={"path": "/tmp/missing"}), 404,
+              "sandbox_file_not_found")
+
+        listed = c.get("/sandboxes", params={"label": "suite=lifecycle"}).json()["sandboxes"]
+        assert [s["sandbox_id"] for s in listed] == [sid]
+        assert c.get("/sandboxes", params={"label": "suite=other"}).json() == {"sandboxes": []}
+
+        assert c.delete(f"/sandboxes/{sid}").status_code == 200
+        error(c.get(f"/sandboxes/{sid}"), 404, "not_found")
+        assert c.delete(f"/sandboxes/{sid}").status_code == 200  # idempotent
+        assert c.get("/sandboxes", params={"label": "suite=lifecycle"}).json()["sandboxes"] == []
+
+
+def test_a_tenant_sees_only_its_own_sandboxes(service: Service):
+    with service.client("alice") as alice, service.client("bob") as bob:
+        sid = create(alice, labels={"suite": "tenants"})
+        assert wait_running(alice, sid)["status"] == "running"
+        # someone else's id answers exactly like one that does not exist: 404, never 403
+        error(bob.get(f"/sandboxes/{sid}"), 404, "not_found")
+        error(bob.post(f"/sandboxes/{sid}/execs", json={"command": "true"}), 404)
+        error(bob.get(f"/sandboxes/{sid}/files", params={"path": "/etc/hostname"}), 404)
+        error(bob.put(f"/sandboxes/{sid}/files", params={"path": "/tmp/x"}, content=b"x"), 404)
+        assert bob.get("/sandboxes").json()["sandboxes"] == []
+        assert bob.delete(f"/sandboxes/{sid}").status_code == 200  # changes nothing
+        assert alice.get(f"/sandboxes/{sid}").json()["status"] == "running"
+        assert alice.delete(f"/sandboxes/{sid}").status_code == 200
+
+
+def test_quota_answers_429_and_frees_on_delete(service: Service):
+    with service.client("bob") as bob:
+        msg = error(bob.post("/sandboxes", json={"image": BUSYBOX, "cpu": 2}), 429,
+                    "quota_exceeded")
+        assert "CPU" in msg
+        error(bob.post("/sandboxes", json={"image": BUSYBOX, "memory": "2Gi"}), 429,
+              "quota_exceeded")
+        first = create(bob)
+        msg = error(bob.post("/sandboxes", json={"image": BUSYBOX, "cpu": 0.25,
+                                                 "memory": "128Mi"}), 429, "quota_exceeded")
+        assert "at most 1 sandboxes" in msg
+        assert bob.delete(f"/sandboxes/{first}").status_code == 200
+        second = create(bob)
+        assert wait_running(bob, second)["status"] == "running"
+        assert bob.delete(f"/sandboxes/{second}").status_code == 200
+
+
+def test_bad_input_gets_a_typed_4xx_and_the_service_keeps_serving(service: Service):
+    with service.client() as c:
+        post = c.post
+        error(post("/sandboxes", content=b"{not json", headers={"content-type":
+                                                                 "application/json"}),
+              400, "invalid_request")
+        assert "unknown field" in error(post("/sandboxes", json={"imagee": BUSYBOX}), 400)
+        error(post("/sandboxes", json={"cpu": "lots"}), 400, "invalid_request")
+        error(post("/sandboxes", json={"memory": "1 bucket"}), 400, "invalid_request")
+        error(post("/sandboxes", json=[1, 2]), 400, "invalid_request")
+        error(post("/sandboxes", json={"spec_transform": "os.system"}), 400)
+        error(post("/sandboxes", json={"_oci_spec_transform_fn": "x"}), 400)
+        error(post("/sandboxes", json={"labels": {"ray-sandbox/name": "x"}}), 400)
+        error(post("/sandboxes", json={"network": "host"}), 400)
+        error(post("/sandboxes", json={"cpu": 0}), 400)  # unbounded: cannot be counted
+        error(post("/sandboxes", json={"labels": {"x": "y" * 70_000}}), 413,
+              "payload_too_large")
+        # a body larger than it declares, or with no length at all, is cut at the limit too
+        big = json.dumps({"labels": {"x": "y" * 70_000}}).encode()
+        error(post("/sandboxes", content=iter([big]),
+                   headers={"content-type": "application/json"}), 413)
+
+        for bad in ["..", "..%2F..%2Fetc", "0" * 31, "0" * 33, "ZZ" * 16, "%00" * 3]:
+            error(c.get(f"/sandboxes/{bad}"), 404)
+            assert c.delete(f"/sandboxes/{bad}").status_code in (200, 404)
+        error(c.get("/sandboxes/" + "0" * 32), 404, "not_found")
+        error(c.get("/sandboxes", params={"label": "novalue"}), 400, "invalid_request")
+        error(c.get("/sandboxes/" + "0" * 32, params={"wait_seconds": "-1"}), 400)
+        error(c.get("/sandboxes/" + "0" * 32, params={"wait_seconds": "soon"}), 400)
+
+        sid = create(c)
+        assert wait_running(c, sid)["status"] == "running"
+        for body in [{}, {"command": []}, {"command": ""}, {"command": 5},
+                     {"command": "true", "timeout_seconds": -1}, {"command": "true", "x": 1},
+                     {"command": "true", "cwd": "relative"}, {"command": ["a\x00b"]}]:
+            error(post(f"/sandboxes/{sid}/execs", json=body), 400, "invalid_request")
+        error(c.get(f"/sandboxes/{sid}/execs/nope"), 404, "not_found")
+        for path in ["relative/x", "", "/tmp/\x00x"]:
+            error(c.get(f"/sandboxes/{sid}/files", params={"path": path}), 400)
+        error(c.get(f"/sandboxes/{sid}/files", params={"path": "/tmp"}), 409,
+              "sandbox_is_a_directory")
+        error(c.put(f"/sandboxes/{sid}/files", params={"path": "/tmp/big"},
+                    content=b"x" * ((1 << 20) + 1)), 413, "payload_too_large")
+        # '..' cannot leave the sandbox: it resolves inside, against the sandbox's own root
+        c.put(f"/sandboxes/{sid}/files", params={"path": "/../../tmp/up"}, content=b"in")
+        assert c.get(f"/sandboxes/{sid}/files", params={"path": "/tmp/up"}).content == b"in"
+        error(c.get(f"/sandboxes/{sid}/files", params={"path": "/etc/passwd/../../x"}), 404)
+        assert c.delete(f"/sandboxes/{sid}").status_code == 200
+    assert httpx.get(f"{service.url}/health").status_code == 200
+
+
+def test_long_polls_are_capped_and_old_exec_results_evicted(service: Service):
+    with service.client() as c:
+        sid = create(c)
+        assert wait_running(c, sid)["status"] == "running"
+        slow = c.post(f"/sandboxes/{sid}/execs", json={"command": "sleep 30"}).json()["exec_id"]
+        # asked for an hour, answered after the service's cap (5 s here), still running
+        r = c.get(f"/sandboxes/{sid}/execs/{slow}", params={"wait_seconds": 3600}, timeout=30)
+        assert r.json()["status"] == "running"
+        ids = [c.post(f"/sandboxes/{sid}/execs", json={"command": f"echo {i}"}).json()["exec_id"]
+               for i in range(3)]
+        assert [wait_exec(c, sid, i)["stdout"] for i in ids] == ["0\n", "1\n", "2\n"]
+        # the fifth result evicts the oldest finished one, never the running one
+        last = c.post(f"/sandboxes/{sid}/execs", json={"command": "echo 3"}).json()["exec_id"]
+        error(c.get(f"/sandboxes/{sid}/execs/{ids[0]}"), 404)
+        assert c.get(f"/sandboxes/{sid}/execs/{slow}").json()["status"] == "running"
+        assert wait_exec(c, sid, last)["stdout"] == "3\n"
+        r = c.post(f"/sandboxes/{sid}/execs", json={"command": "sleep 1; echo y",
+                                                     "timeout_seconds": 0.2})
+        assert wait_exec(c, sid, r.json()["exec_id"])["status"] == "timed_out"
+        assert c.delete(f"/sandboxes/{sid}").status_code == 200
+        failed = c.get(f"/sandboxes/{sid}/execs/{slow}")
+        assert failed.status_code == 404  # its sandbox is gone
+
+
+def test_every_config_option_is_accepted_and_applied(service: Service):
+    with service.client() as c:
+        schema = c.get("/openapi.json").json()
+        props = schema["components"]["schemas"]["CreateSandbox"]["properties"]
+        assert set(props) == set(SandboxConfig.model_fields) - {"spec_transform"}
+        sid = create(c, env={"A": "b"}, workdir="/work", readonly=False, ttl_seconds=600,
+                     timeout_seconds=30, pids_limit=512, disk="64Mi", user="1000",
+                     capabilities=["CAP_SETUID", "CAP_SETGID"], platform="ptrace", directfs=True,
+                     network="none", expose_ports=[], rootless="auto", dns=None)
+        assert wait_running(c, sid)["status"] == "running"
+        r = c.post(f"/sandboxes/{sid}/execs", json={"command": "echo $A; pwd; id -u"}).json()
+        done = wait_exec(c, sid, r["exec_id"])
+        assert done["stdout"] == "b\n/work\n1000\n", done["error"]
+        assert c.delete(f"/sandboxes/{sid}").status_code == 200
+        # an option the runtime refuses in this combination is a 400 naming it
+        msg = error(c.post("/sandboxes", json={"image": BUSYBOX, "expose_ports": [80]}), 400)
+        assert "expose_ports" in msg
+
+
+def test_a_failed_create_shows_as_error_with_its_reason(service: Service):
+    with service.client() as c:
+        sid = create(c, image="ray-sandbox/no-such-image")
+        info = wait_running(c, sid)
+        assert info["status"] == "error" and "image" in info["reason"].lower(), info
+        error(c.post(f"/sandboxes/{sid}/execs", json={"command": "true"}), 409)
+        assert c.delete(f"/sandboxes/{sid}").status_code == 200
+        error(c.get(f"/sandboxes/{sid}"), 404)
+
+
+def test_one_audit_line_per_mutating_call(service: Service):
+    before = service.audit_log.read_text().splitlines() if service.audit_log.exists() else []
+    with service.client("bob") as bob:
+        sid = create(bob)
+        bob.get(f"/sandboxes/{sid}")  # not mutating: no line
+        bob.delete(f"/sandboxes/{sid}")
+    lines = [json.loads(x) for x in service.audit_log.read_text().splitlines()[len(before):]]
+    assert [(x["tenant"], x["method"], x["status"]) for x in lines] == [
+        ("bob", "POST", 202), ("bob", "DELETE", 200)]
+    assert lines[1]["path"] == f"/api/v1/sandboxes/{sid}"
+    assert TOKENS["bob"] not in service.audit_log.read_text()
+
+
+@pytest.mark.parametrize("path", ["/openapi.json"])
+def test_openapi_document_is_public(service: Service, path: str):
+    doc = httpx.get(service.url + path).json()
+    assert doc["openapi"].startswith("3.")
+    assert "/api/v1/sandboxes/{sandbox_id}/execs/{exec_id}" in doc["paths"]
