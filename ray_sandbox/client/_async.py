@@ -1,0 +1,105 @@
+"""AsyncSandboxClient: the same as SandboxClient for asyncio (and trio, through anyio)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+
+from ..runtime.results import ExecResult
+from . import _ops
+
+
+class AsyncSandbox:
+    """A sandbox of the service; every method is a coroutine."""
+
+    def __init__(self, client: AsyncSandboxClient, sandbox_id: str) -> None:
+        self._client = client
+        self.sandbox_id = sandbox_id
+
+    def __repr__(self) -> str:
+        return f"AsyncSandbox({self.sandbox_id[:12]})"
+
+    def _path(self, tail: str = "") -> str:
+        return f"/sandboxes/{self.sandbox_id}{tail}"
+
+    async def exec(self, command: str | list[str], *, timeout: float | None = None,
+                   env: Mapping[str, str] | None = None, cwd: str | None = None,
+                   stdin: str | bytes | None = None) -> ExecResult:
+        body = _ops.exec_body(command, timeout, env, cwd, stdin)
+        return await self._client._run(_ops.run(self.sandbox_id, body))
+
+    async def status(self) -> dict[str, Any]:
+        r = await self._client._run(_ops.one("GET", self._path(), self.sandbox_id))
+        return r.json()
+
+    async def write_file(self, path: str, data: str | bytes) -> None:
+        content = data.encode() if isinstance(data, str) else data
+        await self._client._run(_ops.one("PUT", self._path("/files"), self.sandbox_id,
+                                         params={"path": path}, content=content))
+
+    async def read_file(self, path: str) -> bytes:
+        r = await self._client._run(_ops.one("GET", self._path("/files"), self.sandbox_id,
+                                             params={"path": path}))
+        return r.content
+
+    async def terminate(self) -> None:
+        await self._client._run(_ops.one("DELETE", self._path(), self.sandbox_id))
+        self._client._made.pop(self.sandbox_id, None)
+
+
+class AsyncSandboxClient:
+    """``async with AsyncSandboxClient(url, token) as c:``; deletes what it created on exit."""
+
+    def __init__(self, base_url: str, token: str, *, timeout: float = 60.0,
+                 http: httpx.AsyncClient | None = None) -> None:
+        self._http = http or httpx.AsyncClient(timeout=timeout)
+        self._base = _ops.api_url(base_url)
+        self._headers = {"Authorization": f"Bearer {token}"}
+        self._made: dict[str, AsyncSandbox] = {}
+
+    async def _run(self, op: _ops.Op) -> Any:
+        try:
+            call = next(op)
+            while True:
+                r = await self._http.request(call.method, self._base + call.path,
+                                             params=call.params, json=call.json,
+                                             content=call.content, headers=self._headers,
+                                             timeout=call.timeout)
+                call = op.send(r)
+        except StopIteration as done:
+            return done.value
+
+    async def create(self, image: str | None = None, *, timeout: float = 600.0,
+                     **options: Any) -> AsyncSandbox:
+        body = {**options, **({"image": image} if image is not None else {})}
+        sb = AsyncSandbox(self, await self._run(_ops.create(body, timeout)))
+        self._made[sb.sandbox_id] = sb
+        return sb
+
+    async def get(self, sandbox_id: str) -> AsyncSandbox:
+        sb = AsyncSandbox(self, sandbox_id)
+        await sb.status()
+        return sb
+
+    async def list(self, labels: Mapping[str, str] | None = None) -> list[AsyncSandbox]:
+        params = {"label": [f"{k}={v}" for k, v in (labels or {}).items()]}
+        r = await self._run(_ops.one("GET", "/sandboxes", params=params))
+        return [AsyncSandbox(self, s["sandbox_id"]) for s in r.json()["sandboxes"]]
+
+    async def health(self) -> bool:
+        return (await self._run(_ops.one("GET", "/health"))).json().get("status") == "ok"
+
+    async def aclose(self) -> None:
+        try:
+            for sb in list(self._made.values()):
+                await sb.terminate()
+        finally:
+            await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncSandboxClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

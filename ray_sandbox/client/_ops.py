@@ -1,0 +1,154 @@
+"""The service's protocol without I/O: each operation is a generator that yields the HTTP
+requests it needs and receives their responses, so the sync and the async client run the
+same steps (``_sync.py``, ``_async.py``) and only the transport differs."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Generator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from ..runtime import errors
+from ..runtime.results import ExecResult
+
+POLL_SECONDS = 10.0  # one long-poll; the service caps it anyway
+
+
+@dataclass(frozen=True)
+class Call:
+    """One request of an operation."""
+
+    method: str
+    path: str
+    params: dict[str, Any] = field(default_factory=dict)
+    json: Any = None
+    content: bytes | None = None
+    timeout: float = 60.0
+
+
+Op = Generator[Call, httpx.Response, Any]
+
+# Codes the service gives its own refusals, as errors of the tree; every other code is the
+# snake-case name of the tree's class that the service mapped (``sandbox_not_found``).
+_ALIASES: dict[str, type[errors.SandboxError]] = {
+    "invalid_request": errors.ConfigError,
+    "unauthorized": errors.ConfigError,
+    "not_found": errors.SandboxNotFoundError,
+    "quota_exceeded": errors.CapacityError,
+    "payload_too_large": errors.FileTooLargeError,
+    "conflict": errors.SandboxStateError,
+}
+
+
+def error_class(code: str) -> type[errors.SandboxError]:
+    """The error class of an error code (``sandbox_not_found`` -> SandboxNotFoundError)."""
+    if code in _ALIASES:
+        return _ALIASES[code]
+    name = "".join(p.capitalize() for p in code.split("_")) + "Error"
+    cls = getattr(errors, name, None) if name in errors.__all__ else None
+    return cls if cls is not None else errors.SandboxError
+
+
+def check(r: httpx.Response, sandbox_id: str | None = None) -> httpx.Response:
+    """``r`` if it succeeded, else the error it carries, raised as its class."""
+    if r.is_success:
+        return r
+    try:
+        err = r.json()["error"]
+        code, message = str(err["code"]), str(err["message"])
+    except (ValueError, KeyError, TypeError):
+        code, message = "error", f"HTTP {r.status_code}: {r.text[:500]}"
+    raise error_class(code)(f"{code}: {message}", sandbox_id=sandbox_id)
+
+
+def create(options: Mapping[str, Any], timeout: float) -> Op:
+    """Create a sandbox and wait (up to ``timeout`` s) until it runs; returns its id."""
+    r = check((yield Call("POST", "/sandboxes", json=dict(options))))
+    sandbox_id = r.json()["sandbox_id"]
+    try:
+        info = yield from wait(f"/sandboxes/{sandbox_id}", "pending", timeout, sandbox_id)
+    except errors.AgentTimeoutError:
+        yield Call("DELETE", f"/sandboxes/{sandbox_id}")  # gave up: it must not linger
+        raise
+    if info["status"] != "running":  # the service keeps a failed one until it is deleted
+        yield Call("DELETE", f"/sandboxes/{sandbox_id}")
+    if info["status"] == "error":
+        code, _, message = (info.get("reason") or "").partition(": ")
+        raise _create_error(code)(f"sandbox {sandbox_id} failed to start: {message or code}",
+                                  sandbox_id=sandbox_id)
+    if info["status"] != "running":
+        raise errors.SandboxStateError(f"sandbox is {info['status']}: {info.get('reason')}",
+                                       sandbox_id=sandbox_id)
+    return sandbox_id
+
+
+def _create_error(code: str) -> type[errors.SandboxError]:
+    cls = error_class(code)
+    return cls if cls is not errors.SandboxError else errors.SandboxCreationError
+
+
+def wait(path: str, pending: str, timeout: float, sandbox_id: str) -> Op:
+    """Long-poll ``path`` while its status is ``pending``, up to ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        poll = max(0.0, min(POLL_SECONDS, left))
+        r = check((yield Call("GET", path, params={"wait_seconds": poll},
+                              timeout=poll + 60)), sandbox_id)
+        info = r.json()
+        if info["status"] != pending:
+            return info
+        if left <= 0:
+            raise errors.AgentTimeoutError(f"still {pending} after {timeout:g} s",
+                                           sandbox_id=sandbox_id)
+
+
+def exec_body(command: str | list[str], timeout: float | None, env: Mapping[str, str] | None,
+              cwd: str | None, stdin: str | bytes | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"command": command}
+    if timeout is not None:
+        body["timeout_seconds"] = timeout
+    if env:
+        body["env"] = dict(env)
+    if cwd is not None:
+        body["cwd"] = cwd
+    if stdin is not None:
+        body["stdin"] = stdin.decode() if isinstance(stdin, bytes) else stdin
+    return body
+
+
+def run(sandbox_id: str, body: dict[str, Any]) -> Op:
+    """Start a command, wait for it, return its ExecResult (a non-zero exit is a result)."""
+    base = f"/sandboxes/{sandbox_id}"
+    r = check((yield Call("POST", f"{base}/execs", json=body)), sandbox_id)
+    exec_id = r.json()["exec_id"]
+    # its own timeout bounds the command; the margin covers queueing and the poll itself
+    limit = (body.get("timeout_seconds") or 3600.0) + 120
+    info = yield from wait(f"{base}/execs/{exec_id}", "running", limit, sandbox_id)
+    return exec_result(info, sandbox_id)
+
+
+def exec_result(info: Mapping[str, Any], sandbox_id: str) -> ExecResult:
+    if info["status"] == "failed":
+        err = info.get("error") or {}
+        code = str(err.get("code", "error"))
+        raise error_class(code)(f"{code}: {err.get('message', '')}", sandbox_id=sandbox_id)
+    return ExecResult(exit_code=info["exit_code"], stdout_bytes=info["stdout"].encode(),
+                      stderr_bytes=info["stderr"].encode(), timed_out=info["status"] ==
+                      "timed_out", truncated=info.get("truncated", False),
+                      duration_seconds=info.get("duration_seconds") or 0.0)
+
+
+def one(method: str, path: str, sandbox_id: str | None = None, **kw: Any) -> Op:
+    """A single request; returns its response once it succeeded."""
+    return check((yield Call(method, path, **kw)), sandbox_id)
+
+
+def api_url(base_url: str) -> str:
+    """``http://host:port`` or ``.../api/v1`` -> ``.../api/v1``."""
+    base = base_url.rstrip("/")
+    return base if re.search(r"/api/v1$", base) else base + "/api/v1"

@@ -1,0 +1,110 @@
+"""SandboxClient: the service's sandboxes from plain Python, without Ray."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+
+from ..runtime.results import ExecResult
+from . import _ops
+
+
+class Sandbox:
+    """A sandbox of the service, called like a ``SandboxHandle`` without ``.remote``."""
+
+    def __init__(self, client: SandboxClient, sandbox_id: str) -> None:
+        self._client = client
+        self.sandbox_id = sandbox_id
+
+    def __repr__(self) -> str:
+        return f"Sandbox({self.sandbox_id[:12]})"
+
+    def _path(self, tail: str = "") -> str:
+        return f"/sandboxes/{self.sandbox_id}{tail}"
+
+    def exec(self, command: str | list[str], *, timeout: float | None = None,
+             env: Mapping[str, str] | None = None, cwd: str | None = None,
+             stdin: str | bytes | None = None) -> ExecResult:
+        """Run a command (argv list, or a string for the shell) and wait for its result."""
+        body = _ops.exec_body(command, timeout, env, cwd, stdin)
+        return self._client._run(_ops.run(self.sandbox_id, body))
+
+    def status(self) -> dict[str, Any]:
+        """``{sandbox_id, status, reason, image, cpu, memory, labels, created_at}``."""
+        return self._client._run(_ops.one("GET", self._path(), self.sandbox_id)).json()
+
+    def write_file(self, path: str, data: str | bytes) -> None:
+        content = data.encode() if isinstance(data, str) else data
+        self._client._run(_ops.one("PUT", self._path("/files"), self.sandbox_id,
+                                   params={"path": path}, content=content))
+
+    def read_file(self, path: str) -> bytes:
+        return self._client._run(_ops.one("GET", self._path("/files"), self.sandbox_id,
+                                          params={"path": path})).content
+
+    def terminate(self) -> None:
+        """Delete the sandbox (idempotent)."""
+        self._client._run(_ops.one("DELETE", self._path(), self.sandbox_id))
+        self._client._made.pop(self.sandbox_id, None)
+
+
+class SandboxClient:
+    """The service at ``base_url`` as ``token``'s tenant. As a context manager it deletes the
+    sandboxes it created when the block ends."""
+
+    def __init__(self, base_url: str, token: str, *, timeout: float = 60.0,
+                 http: httpx.Client | None = None) -> None:
+        self._http = http or httpx.Client(timeout=timeout)
+        self._base = _ops.api_url(base_url)
+        self._headers = {"Authorization": f"Bearer {token}"}
+        self._made: dict[str, Sandbox] = {}
+
+    def _run(self, op: _ops.Op) -> Any:
+        try:
+            call = next(op)
+            while True:
+                r = self._http.request(call.method, self._base + call.path, params=call.params,
+                                       json=call.json, content=call.content,
+                                       headers=self._headers, timeout=call.timeout)
+                call = op.send(r)
+        except StopIteration as done:
+            return done.value
+
+    def create(self, image: str | None = None, *, timeout: float = 600.0,
+               **options: Any) -> Sandbox:
+        """A running sandbox; ``options`` are SandboxConfig's (cpu, memory, env, labels, …).
+        Waits up to ``timeout`` seconds for it to start."""
+        body = {**options, **({"image": image} if image is not None else {})}
+        sb = Sandbox(self, self._run(_ops.create(body, timeout)))
+        self._made[sb.sandbox_id] = sb
+        return sb
+
+    def get(self, sandbox_id: str) -> Sandbox:
+        """The sandbox with this id (SandboxNotFoundError if this tenant has none)."""
+        sb = Sandbox(self, sandbox_id)
+        sb.status()
+        return sb
+
+    def list(self, labels: Mapping[str, str] | None = None) -> list[Sandbox]:  # noqa: A003
+        params = {"label": [f"{k}={v}" for k, v in (labels or {}).items()]}
+        r = self._run(_ops.one("GET", "/sandboxes", params=params))
+        return [Sandbox(self, s["sandbox_id"]) for s in r.json()["sandboxes"]]
+
+    def health(self) -> bool:
+        return self._run(_ops.one("GET", "/health")).json().get("status") == "ok"
+
+    def close(self) -> None:
+        """Delete the sandboxes this client created, then close its connections."""
+        try:
+            for sb in list(self._made.values()):
+                sb.terminate()
+        finally:
+            self._http.close()
+
+    def __enter__(self) -> SandboxClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

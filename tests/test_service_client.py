@@ -1,0 +1,128 @@
+"""The Ray-free client against the real service (a Serve app on a real local Ray cluster with
+gVisor sandboxes): sync and async, errors as the Ray layer's classes, cleanup on exit, and a
+venv with only the client's dependencies, where ``import ray`` fails."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import tomllib
+from pathlib import Path
+
+import anyio
+import pytest
+
+import ray_sandbox
+from ray_sandbox.client import AsyncSandboxClient, SandboxClient
+from tests.fx_service import TOKENS, Service
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = {"image": "ray-sandbox/busybox", "cpu": 0.25, "memory": "128Mi"}
+
+
+def test_sync_client_mirrors_the_handle_and_cleans_up(service: Service):
+    with SandboxClient(service.url.removesuffix("/api/v1"), TOKENS["alice"]) as c:
+        assert c.health()
+        sb = c.create(**SMALL, labels={"suite": "client"}, env={"W": "x"})
+        res = sb.exec(["sh", "-c", "echo $W; echo e >&2; exit 3"])
+        assert (res.exit_code, res.stdout, res.stderr, res.ok) == (3, "x\n", "e\n", False)
+        assert sb.exec("cat", stdin="in").stdout == "in"
+        assert sb.exec("sleep 2", timeout=0.3).timed_out
+        sb.write_file("/tmp/f", "hello")
+        assert sb.read_file("/tmp/f") == b"hello"
+        with pytest.raises(ray_sandbox.SandboxFileNotFoundError):
+            sb.read_file("/tmp/none")
+        assert [s.sandbox_id for s in c.list({"suite": "client"})] == [sb.sandbox_id]
+        assert c.get(sb.sandbox_id).status()["status"] == "running"
+        kept = c.create(**SMALL)
+        kept.terminate()  # terminated by hand: not deleted again on exit
+    with SandboxClient(service.url, TOKENS["alice"]) as c:
+        assert c.list({"suite": "client"}) == []  # the first client deleted it on exit
+        with pytest.raises(ray_sandbox.SandboxNotFoundError):
+            c.get(sb.sandbox_id)
+
+
+def test_client_errors_are_the_ray_layers_classes(service: Service):
+    with SandboxClient(service.url, TOKENS["bob"]) as bob:
+        with pytest.raises(ray_sandbox.ConfigError, match="unknown field"):
+            bob.create(**SMALL, nonsense=1)
+        with pytest.raises(ray_sandbox.CapacityError, match="quota"):
+            bob.create(**{**SMALL, "cpu": 4})
+        with pytest.raises(ray_sandbox.ImageNotFoundError, match="failed to start"):
+            bob.create(image="ray-sandbox/no-such-image")
+        assert bob.list() == []  # the failed one was deleted too
+    with SandboxClient(service.url, "wrong-token-0123456789") as anon:
+        with pytest.raises(ray_sandbox.ConfigError, match="unauthorized"):
+            anon.list()
+
+
+def test_async_client_runs_concurrent_execs_and_cleans_up(service: Service):
+    async def main() -> list[str]:
+        async with AsyncSandboxClient(service.url, TOKENS["alice"]) as c:
+            sb = await c.create(**SMALL, labels={"suite": "async"})
+            results = [None] * 4
+
+            async def one(i: int) -> None:
+                results[i] = (await sb.exec(f"echo {i}")).stdout
+
+            async with anyio.create_task_group() as tg:
+                for i in range(4):
+                    tg.start_soon(one, i)
+            await sb.write_file("/tmp/a", b"\x00\x01")
+            assert await sb.read_file("/tmp/a") == b"\x00\x01"
+            assert [s.sandbox_id for s in await c.list({"suite": "async"})] == [sb.sandbox_id]
+            return results
+
+    assert anyio.run(main) == ["0\n", "1\n", "2\n", "3\n"]
+    with SandboxClient(service.url, TOKENS["alice"]) as c:
+        assert c.list({"suite": "async"}) == []
+
+
+CLIENT_SCRIPT = textwrap.dedent("""
+    import json, sys
+    try:
+        import ray  # noqa: F401
+        has_ray = True
+    except ImportError:
+        has_ray = False
+    from ray_sandbox.client import SandboxClient
+    import ray_sandbox
+    url, token = sys.argv[1], sys.argv[2]
+    with SandboxClient(url, token) as c:
+        sb = c.create(image="ray-sandbox/busybox", cpu=0.25, memory="128Mi",
+                      labels={"suite": "no-ray"})
+        out = sb.exec("echo from a venv without ray").stdout
+        sb.write_file("/tmp/x", b"y")
+        back = sb.read_file("/tmp/x").decode()
+        try:
+            sb.read_file("/nope")
+            missing = None
+        except ray_sandbox.SandboxFileNotFoundError as exc:
+            missing = type(exc).__name__
+    print(json.dumps({"has_ray": has_ray, "out": out, "back": back, "missing": missing,
+                      "ray_imported": "ray" in sys.modules}))
+""")
+
+
+def test_the_client_works_in_a_venv_without_ray(service: Service, tmp_path):
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q",
+           "--disable-pip-version-check"]
+    # the project without its dependencies (they include Ray), then exactly the client extra
+    subprocess.run([*pip, "--no-deps", str(ROOT)], check=True, timeout=300,
+                   capture_output=True)
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]["client"]
+    subprocess.run([*pip, *extra], check=True, timeout=300, capture_output=True)
+    out = subprocess.run([str(venv / "bin" / "python"), "-c", CLIENT_SCRIPT, service.url,
+                          TOKENS["alice"]], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path)  # not the checkout: the installed package is used
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"has_ray": False, "out": "from a venv without ray\n",
+                                      "back": "y", "missing": "SandboxFileNotFoundError",
+                                      "ray_imported": False}
+    with SandboxClient(service.url, TOKENS["alice"]) as c:
+        assert c.list({"suite": "no-ray"}) == []
