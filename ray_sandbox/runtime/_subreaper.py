@@ -13,6 +13,8 @@ import ctypes
 import os
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from . import _proc, procfs
 
@@ -32,11 +34,27 @@ def ensure() -> None:
     with _lock:
         if _started:
             return
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
+        _set(True)
         threading.Thread(target=_loop, name="ray-sandbox-subreaper", daemon=True).start()
         _started = True
+
+
+def _set(on: bool) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
+
+
+@contextmanager
+def paused() -> Iterator[None]:
+    """Not a subreaper meanwhile: a process orphaned now goes to init (or a subreaper above
+    us), so that it outlives this process's own exit (the runtime's keeper)."""
+    with _lock:
+        _set(False)
+        try:
+            yield
+        finally:
+            _set(_started)
 
 
 def _children() -> list[int]:

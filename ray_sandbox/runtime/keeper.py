@@ -7,8 +7,12 @@ of (a Ray host's stock) must go with it, also when it is SIGKILLed with its Ray 
 no gc follows. :func:`start` starts one keeper process that waits on a pidfd of its creator
 and then deletes the creator's sandboxes that carry the given labels.
 
-The keeper imports only the standard library and ``procfs`` while it waits (the creator's
-whole life): the runtime's modules (~40 MB) are loaded after the death, to delete.
+The keeper is nobody's child: Ray kills the direct children of a worker that exits
+(``RAY_kill_child_processes_on_worker_exit``, on by default), which is exactly when the
+keeper has its work to do. So it is started through ``setsid --fork`` while this process is
+not a subreaper, and is adopted by init. It imports only the standard library and
+``procfs`` while it waits (the creator's whole life): the runtime's modules (~40 MB) are
+loaded after the death, to delete.
 """
 
 from __future__ import annotations
@@ -21,18 +25,21 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from . import _proc, procfs
+from . import _proc, _subreaper, procfs
+
+_START_TIMEOUT_S = 10.0  # setsid forks and returns at once
 
 
-def start(home: Path, labels: Mapping[str, str]) -> subprocess.Popen:
+def start(home: Path, labels: Mapping[str, str]) -> None:
     """Start the keeper of this process's sandboxes in ``home`` labelled ``labels``."""
     me = procfs.stat(os.getpid())
-    argv = [sys.executable, "-m", __name__, "--home", str(home), "--pid", str(os.getpid()),
-            "--start", str(me.start if me else 0)]
+    argv = ["setsid", "--fork", sys.executable, "-m", __name__, "--home", str(home),
+            "--pid", str(os.getpid()), "--start", str(me.start if me else 0)]
     for k, v in labels.items():
         argv += ["--label", f"{k}={v}"]
-    # its own session: a signal to the creator's process group must not take it too
-    return _proc.spawn(argv, stdout=subprocess.DEVNULL, stderr=None, new_session=True)
+    with _subreaper.paused():  # setsid's child is orphaned as setsid returns: init adopts it
+        _proc.run(argv, timeout=_START_TIMEOUT_S, stdout=subprocess.DEVNULL, stderr=None,
+                  what="starting the sandbox keeper")
 
 
 def wait_for_death(pid: int, start: int) -> None:
