@@ -3,7 +3,10 @@ gVisor sandboxes, called over HTTP like any client would (contract tests of issu
 
 from __future__ import annotations
 
+import io
 import json
+import tarfile
+import time
 
 import httpx
 import pytest
@@ -235,3 +238,119 @@ def test_openapi_document_is_public(service: Service, path: str):
     doc = httpx.get(service.url + path).json()
     assert doc["openapi"].startswith("3.")
     assert "/api/v1/sandboxes/{sandbox_id}/execs/{exec_id}" in doc["paths"]
+
+
+def _ndjson(r: httpx.Response):
+    for line in r.iter_lines():
+        if line:
+            yield json.loads(line)
+
+
+def _no_process(c: httpx.Client, sid: str, needle: str) -> bool:
+    """Whether no process inside the sandbox has ``needle`` in its command line (polled:
+    a kill reaches the tree asynchronously)."""
+    for _ in range(60):
+        r = c.post(f"/sandboxes/{sid}/execs", json={"command": "ps -o args"}).json()
+        out = wait_exec(c, sid, r["exec_id"])["stdout"]
+        if needle not in out:
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def test_streamed_output_arrives_before_the_command_exits(service: Service):
+    with service.client() as c, service.client() as other:
+        sid = create(c)
+        assert wait_running(c, sid)["status"] == "running"
+        script = ("echo ready; while [ ! -e /tmp/go ]; do sleep 0.1; done; "
+                  "echo done; echo err >&2; exit 5")
+        with c.stream("POST", f"/sandboxes/{sid}/execs/stream",
+                      json={"command": script}) as r:
+            assert r.status_code == 200 and r.headers["content-type"] == "application/x-ndjson"
+            lines = _ndjson(r)
+            start = next(lines)
+            assert start["type"] == "start" and start["exec_id"]
+            assert next(lines) == {"type": "stdout", "data": "ready\n"}
+            # the command is still waiting for /tmp/go: the line came before its exit
+            other.put(f"/sandboxes/{sid}/files", params={"path": "/tmp/go"}, content=b"")
+            rest = list(lines)
+        out = "".join(x["data"] for x in rest if x["type"] == "stdout")
+        last = rest[-1]
+        assert out + last["stdout"] == "done\n"
+        assert (last["type"], last["exit_code"], last["stderr"]) == ("exit", 5, "err\n")
+
+        # its timeout kills it
+        with c.stream("POST", f"/sandboxes/{sid}/execs/stream",
+                      json={"command": "sleep 100", "timeout_seconds": 1}) as r:
+            last = list(_ndjson(r))[-1]
+        assert last["type"] == "exit" and last["timed_out"] and last["signal"] == 9
+        assert c.delete(f"/sandboxes/{sid}").status_code == 200
+
+
+def test_a_streamed_exec_is_signalled_cancelled_and_killed_with_its_caller(service: Service):
+    with service.client() as c, service.client() as other:
+        sid = create(c)
+        assert wait_running(c, sid)["status"] == "running"
+        script = "trap 'echo got-usr1' USR1; echo ready; while true; do sleep 0.2; done"
+        with c.stream("POST", f"/sandboxes/{sid}/execs/stream",
+                      json={"command": ["sh", "-c", script]}) as r:
+            lines = _ndjson(r)
+            exec_id = next(lines)["exec_id"]
+            assert next(lines)["data"] == "ready\n"
+            sig = other.post(f"/sandboxes/{sid}/execs/{exec_id}/signal", json={"signal": 10})
+            assert sig.status_code == 200, sig.text
+            assert next(lines)["data"] == "got-usr1\n"
+            error(other.post(f"/sandboxes/{sid}/execs/{exec_id}/signal",
+                             json={"signal": 99}), 400)
+            assert other.delete(f"/sandboxes/{sid}/execs/{exec_id}").status_code == 200
+            last = list(lines)[-1]
+        assert last["type"] == "exit" and last["exit_code"] in (143, 137), last
+        error(c.delete(f"/sandboxes/{sid}/execs/{exec_id}"), 404)  # it is over
+
+        plain = c.post(f"/sandboxes/{sid}/execs", json={"command": "true"}).json()["exec_id"]
+        error(c.delete(f"/sandboxes/{sid}/execs/{plain}"), 409, "conflict")
+        error(c.post(f"/sandboxes/{sid}/execs/{'0' * 16}/signal", json={"signal": 9}), 404)
+
+        # a caller that goes away takes its command with it
+        with c.stream("POST", f"/sandboxes/{sid}/execs/stream",
+                      json={"command": "echo ready; sleep 987"}) as r:
+            lines = _ndjson(r)
+            next(lines)
+            assert next(lines)["data"] == "ready\n"
+        assert _no_process(c, sid, "sleep 987")
+        assert c.delete(f"/sandboxes/{sid}").status_code == 200
+
+
+def test_directories_go_up_and_down_as_tar_streams(service: Service, tmp_path):
+    src = tmp_path / "src"
+    (src / "sub" / "empty").mkdir(parents=True)
+    (src / "a.txt").write_text("alpha")
+    (src / "sub" / "run.sh").write_text("#!/bin/sh\necho hi\n")
+    (src / "sub" / "run.sh").chmod(0o755)
+    (src / "link").symlink_to("a.txt")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        tar.add(src, arcname=".")
+    with service.client() as c:
+        sid = create(c)
+        assert wait_running(c, sid)["status"] == "running"
+        r = c.put(f"/sandboxes/{sid}/archive", params={"path": "/srv/app"},
+                  content=buf.getvalue())
+        assert r.status_code == 204, r.text
+        r = c.post(f"/sandboxes/{sid}/execs", json={"command": "/srv/app/sub/run.sh"}).json()
+        assert wait_exec(c, sid, r["exec_id"])["stdout"] == "hi\n"
+        r = c.get(f"/sandboxes/{sid}/archive", params={"path": "/srv/app"})
+        assert r.status_code == 200 and r.headers["content-type"] == "application/x-tar"
+        with tarfile.open(fileobj=io.BytesIO(r.content)) as tar:
+            members = {m.name.removeprefix("./"): m for m in tar.getmembers()}
+            assert tar.extractfile(members["a.txt"]).read() == b"alpha"
+            assert members["link"].issym() and members["link"].linkname == "a.txt"
+            assert members["sub/run.sh"].mode & 0o777 == 0o755
+            assert members["sub/empty"].isdir()
+        error(c.get(f"/sandboxes/{sid}/archive", params={"path": "/no/such/dir"}), 404)
+        error(c.put(f"/sandboxes/{sid}/archive", params={"path": "/srv/x"},
+                    content=b"not a tar"), 400)
+        error(c.put(f"/sandboxes/{sid}/archive", params={"path": "/srv/x"},
+                    content=b"\0" * ((1 << 20) + 1)), 413)
+        error(c.get(f"/sandboxes/{sid}/archive", params={"path": "rel"}), 400)
+        assert c.delete(f"/sandboxes/{sid}").status_code == 200

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 import tomllib
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pytest
 
 import ray_sandbox
 from ray_sandbox.client import AsyncSandboxClient, SandboxClient
+from ray_sandbox.runtime.results import ExecResult, OutputChunk
 from tests.fx_service import TOKENS, Service
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,6 +46,38 @@ def test_sync_client_mirrors_the_handle_and_cleans_up(service: Service):
             c.get(sb.sandbox_id)
 
 
+def test_client_streams_output_and_moves_directories(service: Service, tmp_path):
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    (src / "d" / "f.txt").write_text("inside")
+    (src / "ln").symlink_to("d/f.txt")
+    with SandboxClient(service.url, TOKENS["alice"]) as c:
+        sb = c.create(**SMALL)
+        items = list(sb.exec_stream("echo one; echo two >&2; exit 2"))
+        chunks, result = items[:-1], items[-1]
+        assert isinstance(result, ExecResult) and result.exit_code == 2
+        assert "".join(x.text for x in chunks if isinstance(x, OutputChunk)) + \
+            result.stdout == "one\n"
+        assert result.stderr == "two\n"
+        # leaving the loop early kills the command in the sandbox
+        for chunk in sb.exec_stream("echo go; sleep 654"):
+            assert chunk.text == "go\n"
+            break
+        for _ in range(60):
+            if "sleep 654" not in sb.exec("ps -o args").stdout:
+                break
+            time.sleep(0.5)
+        else:
+            raise AssertionError("the abandoned command still runs")
+        sb.upload_dir(src, "/opt/up")
+        assert sb.exec("cat /opt/up/ln").stdout == "inside"
+        sb.download_dir("/opt/up", tmp_path / "back")
+        assert (tmp_path / "back" / "d" / "f.txt").read_text() == "inside"
+        assert (tmp_path / "back" / "ln").is_symlink()
+        with pytest.raises(ray_sandbox.SandboxNotFoundError):
+            sb.download_dir("/opt/none", tmp_path / "none")
+
+
 def test_client_errors_are_the_ray_layers_classes(service: Service):
     with SandboxClient(service.url, TOKENS["bob"]) as bob:
         with pytest.raises(ray_sandbox.ConfigError, match="unknown field"):
@@ -70,6 +104,9 @@ def test_async_client_runs_concurrent_execs_and_cleans_up(service: Service):
             async with anyio.create_task_group() as tg:
                 for i in range(4):
                     tg.start_soon(one, i)
+            streamed = [x async for x in sb.exec_stream("echo s")]
+            assert streamed[-1].exit_code == 0 and b"".join(
+                x.data for x in streamed[:-1]) + streamed[-1].stdout_bytes == b"s\n"
             await sb.write_file("/tmp/a", b"\x00\x01")
             assert await sb.read_file("/tmp/a") == b"\x00\x01"
             assert [s.sandbox_id for s in await c.list({"suite": "async"})] == [sb.sandbox_id]

@@ -4,16 +4,18 @@ same steps (``_sync.py``, ``_async.py``) and only the transport differs."""
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Generator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 
-from ..runtime import errors
-from ..runtime.results import ExecResult
+from ..runtime import archive, errors
+from ..runtime.results import ExecResult, OutputChunk
 
 POLL_SECONDS = 10.0  # one long-poll; the service caps it anyway
 
@@ -152,3 +154,37 @@ def api_url(base_url: str) -> str:
     """``http://host:port`` or ``.../api/v1`` -> ``.../api/v1``."""
     base = base_url.rstrip("/")
     return base if re.search(r"/api/v1$", base) else base + "/api/v1"
+
+
+def stream_timeout(body: Mapping[str, Any]) -> httpx.Timeout:
+    """A streamed exec may be silent for as long as its command runs."""
+    return httpx.Timeout(60.0, read=(body.get("timeout_seconds") or 3600.0) + 120)
+
+
+def stream_item(line: str, sandbox_id: str) -> OutputChunk | ExecResult | None:
+    """One NDJSON line of a streamed exec as what ``SandboxHandle.exec_stream`` yields: an
+    OutputChunk, the final ExecResult, or None (the start line); an error line raises."""
+    if not line.strip():
+        return None
+    item = json.loads(line)
+    kind = item.get("type")
+    if kind in ("stdout", "stderr"):
+        return OutputChunk(stream=kind, data=item["data"].encode())
+    if kind == "exit":
+        return ExecResult(exit_code=item["exit_code"], stdout_bytes=item["stdout"].encode(),
+                          stderr_bytes=item["stderr"].encode(), timed_out=item["timed_out"],
+                          truncated=item.get("truncated", False), signal=item.get("signal"))
+    if kind == "error":
+        code = str(item.get("code", "error"))
+        raise error_class(code)(f"{code}: {item.get('message', '')}", sandbox_id=sandbox_id)
+    return None
+
+
+def pack(local_dir: str | Path) -> bytes:
+    """A local directory as a tar (modes, symlinks and empty directories kept)."""
+    return b"".join(archive.pack_local(Path(local_dir)))
+
+
+def unpack(data: bytes, local_dir: str | Path) -> None:
+    """A tar from the service into ``local_dir``; nothing lands outside it."""
+    archive.extract_local([data], Path(local_dir))

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import httpx
 
-from ..runtime.results import ExecResult
+from ..runtime.results import ExecResult, OutputChunk
 from . import _ops
 
 
@@ -30,6 +31,34 @@ class Sandbox:
         """Run a command (argv list, or a string for the shell) and wait for its result."""
         body = _ops.exec_body(command, timeout, env, cwd, stdin)
         return self._client._run(_ops.run(self.sandbox_id, body))
+
+    def exec_stream(self, command: str | list[str], *, timeout: float | None = None,
+                    env: Mapping[str, str] | None = None, cwd: str | None = None,
+                    stdin: str | bytes | None = None) -> Iterator[OutputChunk | ExecResult]:
+        """OutputChunks as the command writes them, then its ExecResult. Leaving the loop
+        early (or closing the generator) kills the command."""
+        body = _ops.exec_body(command, timeout, env, cwd, stdin)
+        url = self._client._base + self._path("/execs/stream")
+        with self._client._http.stream("POST", url, json=body, headers=self._client._headers,
+                                       timeout=_ops.stream_timeout(body)) as r:
+            if not r.is_success:
+                r.read()
+                _ops.check(r, self.sandbox_id)
+            for line in r.iter_lines():
+                item = _ops.stream_item(line, self.sandbox_id)
+                if item is not None:
+                    yield item
+
+    def upload_dir(self, local_dir: str | Path, remote_dir: str) -> None:
+        """Copy a local directory into the sandbox (a tar, unpacked there)."""
+        self._client._run(_ops.one("PUT", self._path("/archive"), self.sandbox_id,
+                                   params={"path": remote_dir}, content=_ops.pack(local_dir)))
+
+    def download_dir(self, remote_dir: str, local_dir: str | Path) -> None:
+        """Copy a directory of the sandbox into ``local_dir`` (nothing lands outside it)."""
+        r = self._client._run(_ops.one("GET", self._path("/archive"), self.sandbox_id,
+                                       params={"path": remote_dir}))
+        _ops.unpack(r.content, local_dir)
 
     def status(self) -> dict[str, Any]:
         """``{sandbox_id, status, reason, image, cpu, memory, labels, created_at}``."""

@@ -10,10 +10,11 @@ import time
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Query, Request, Response
+from fastapi.responses import StreamingResponse
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from . import _errors
+from . import _archives, _errors
 from ._config import ServiceConfig
 from ._models import (
     Created,
@@ -24,6 +25,7 @@ from ._models import (
     ExecInfo,
     SandboxInfo,
     SandboxList,
+    Signal,
     check_path,
 )
 from ._sandboxes import Sandboxes, make_options
@@ -81,7 +83,7 @@ class Guard:
                                          "token")
                 return
         scope.setdefault("state", {})["tenant"] = tenant
-        limit = (self._config.max_file_bytes if scope["path"].endswith("/files")
+        limit = (self._config.max_file_bytes if scope["path"].endswith(("/files", "/archive"))
                  else self._config.max_body_bytes)
         try:
             declared = int(headers.get("content-length", "0"))
@@ -187,6 +189,49 @@ def build_app(config: ServiceConfig) -> Any:
                        wait_seconds: Wait = 0.0) -> ExecInfo:
         entry = await sandboxes.running(tenant(request), sandbox_id)
         return await sandboxes.exec_info(entry, exec_id, wait_seconds)
+
+    @app.post(f"{PREFIX}/sandboxes/{{sandbox_id}}/execs/stream",
+              responses={200: {"content": {"application/x-ndjson": {}}}})
+    async def stream_exec(request: Request, sandbox_id: str, body: CreateExec) -> Response:
+        """Output as NDJSON lines while the command runs (ray_sandbox/service/_streams.py)."""
+        entry = await sandboxes.running(tenant(request), sandbox_id)
+        lines = await sandboxes.stream_exec(entry, body.command, timeout=body.timeout_seconds,
+                                            env=body.env or None, cwd=body.cwd,
+                                            stdin=body.stdin)
+        return StreamingResponse(lines, media_type="application/x-ndjson")
+
+    @app.delete(f"{PREFIX}/sandboxes/{{sandbox_id}}/execs/{{exec_id}}")
+    async def cancel_exec(request: Request, sandbox_id: str, exec_id: str) -> dict[str, str]:
+        """Cancel a streamed exec: SIGTERM, then SIGKILL after a grace period."""
+        entry = await sandboxes.running(tenant(request), sandbox_id)
+        await sandboxes.signal_exec(entry, exec_id, None)
+        return {"exec_id": exec_id, "status": "cancelled"}
+
+    @app.post(f"{PREFIX}/sandboxes/{{sandbox_id}}/execs/{{exec_id}}/signal")
+    async def signal_exec(request: Request, sandbox_id: str, exec_id: str,
+                          body: Signal) -> dict[str, str]:
+        entry = await sandboxes.running(tenant(request), sandbox_id)
+        await sandboxes.signal_exec(entry, exec_id, body.signal)
+        return {"exec_id": exec_id, "status": "signalled"}
+
+    @app.put(f"{PREFIX}/sandboxes/{{sandbox_id}}/archive", status_code=204,
+             openapi_extra={"requestBody": {"content": {"application/x-tar": {}}}})
+    async def put_archive(request: Request, sandbox_id: str, path: Path) -> Response:
+        """Unpack a tar stream into the directory ``path`` (made if missing)."""
+        where = _path(path)
+        entry = await sandboxes.running(tenant(request), sandbox_id)
+        await _archives.upload(entry.handle, sandboxes.call, where, await request.body())
+        return Response(status_code=204)
+
+    @app.get(f"{PREFIX}/sandboxes/{{sandbox_id}}/archive",
+             responses={200: {"content": {"application/x-tar": {}}}})
+    async def get_archive(request: Request, sandbox_id: str, path: Path) -> Response:
+        """The directory ``path`` as a tar stream."""
+        where = _path(path)
+        entry = await sandboxes.running(tenant(request), sandbox_id)
+        data = await _archives.download(entry.handle, sandboxes.call, where,
+                                        config.max_file_bytes)
+        return Response(data, media_type="application/x-tar")
 
     @app.put(f"{PREFIX}/sandboxes/{{sandbox_id}}/files", status_code=204,
              openapi_extra={"requestBody": {"content": {"application/octet-stream": {}}}})

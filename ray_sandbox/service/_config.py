@@ -45,6 +45,7 @@ class ServiceConfig(BaseModel):
     max_exec_timeout: float = Field(3600.0, gt=0, description="cap on an exec's timeout")
     max_output_bytes: int = Field(1 << 20, gt=0, description="kept per stream of one exec")
     max_execs_per_sandbox: int = Field(64, gt=0, description="stored results; oldest evicted")
+    max_streams: int = Field(256, gt=0, description="streamed execs running at once")
     max_errored: int = Field(64, gt=0, description="failed creates kept per tenant for GET")
     create_threads: int = Field(16, gt=0, description="creates and listings run at once")
     call_timeout: float = Field(120.0, gt=0, description="bound on one call to a host")

@@ -78,6 +78,14 @@ class CreateExec(BaseModel):
         return v
 
 
+class Signal(BaseModel):
+    """``POST .../execs/{exec_id}/signal`` (a streamed exec)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    signal: int = Field(ge=1, le=64)
+
+
 class ExecCreated(BaseModel):
     exec_id: str
     status: ExecStatusName = "running"

@@ -15,7 +15,7 @@ import re
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +27,7 @@ from ..actor.host import NAME_LABEL
 from ..runtime.config import SandboxConfig
 from ..runtime.errors import SandboxError, SandboxNotFoundError
 from ..runtime.results import ExecResult, SandboxState
-from . import _errors
+from . import _errors, _streams
 from ._config import ServiceConfig
 from ._models import ExecInfo, SandboxInfo
 from ._quota import Charge, charge, over_quota
@@ -62,6 +62,7 @@ class Entry:
     error: str | None = None
     deleted: bool = False
     execs: OrderedDict[str, Exec] = field(default_factory=OrderedDict)
+    streams: dict[str, _streams.Stream] = field(default_factory=dict)
 
 
 def user_labels(labels: Mapping[str, str]) -> dict[str, str]:
@@ -77,6 +78,7 @@ class Sandboxes:
         self._locks: dict[str, asyncio.Lock] = {}
         self._threads = anyio.CapacityLimiter(config.create_threads)
         self._adopted = False
+        self._streaming = 0
 
     async def _blocking(self, fn: Any, *args: Any) -> Any:
         return await anyio.to_thread.run_sync(fn, *args, limiter=self._threads)
@@ -238,6 +240,7 @@ class Sandboxes:
         entry.deleted = True
         for ex in entry.execs.values():
             ex.future.cancel()
+        # streamed execs end with their sandbox: their next read fails and closes them
         if entry.handle is not None:
             await self._terminate(entry)
         elif entry.error is not None:
@@ -286,6 +289,44 @@ class Sandboxes:
         if not ex.future.done() and wait > 0:
             await asyncio.wait([ex.future], timeout=min(wait, self._config.max_wait_seconds))
         return exec_info(ex)
+
+    async def stream_exec(self, entry: Entry, command: list[str] | str, *,
+                          timeout: float | None, **kw: Any) -> AsyncIterator[bytes]:
+        """Start a streamed exec; returns its NDJSON lines (``_streams``)."""
+        if self._streaming >= self._config.max_streams:
+            raise _errors.refusal(429, f"{self._streaming} streamed execs are running, the "
+                                       "service's limit; try again later")
+        self._streaming += 1
+        try:
+            stream = await _streams.start(entry.handle, self.call, command, **kw)
+        except BaseException:
+            self._streaming -= 1
+            raise
+        entry.streams[stream.exec_id] = stream
+        limit = min(timeout or self._config.max_exec_timeout, self._config.max_exec_timeout)
+        return self._stream_lines(entry, stream, limit)
+
+    async def _stream_lines(self, entry: Entry, stream: _streams.Stream,
+                            limit: float) -> AsyncIterator[bytes]:
+        try:
+            async for line in _streams.lines(stream, self.call, limit):
+                yield line
+        finally:
+            entry.streams.pop(stream.exec_id, None)
+            self._streaming -= 1
+
+    async def signal_exec(self, entry: Entry, exec_id: str, signal: int | None) -> None:
+        """Send ``signal`` to a streamed exec, or cancel it (None: SIGTERM, then SIGKILL)."""
+        stream = entry.streams.get(exec_id)
+        if stream is None:
+            if exec_id in entry.execs:
+                raise _errors.refusal(409, "only a streamed exec (POST .../execs/stream) can "
+                                           "be signalled or cancelled")
+            raise _errors.refusal(404, f"no running streamed exec {exec_id!r}")
+        if signal is None:
+            await _streams.cancel(stream, self.call)
+        else:
+            await self.call(entry.handle.process.remote(stream.key, "kill", signal))
 
     async def call(self, ref: Any) -> Any:
         """A host call's result, bounded: no request waits forever on a stuck host."""

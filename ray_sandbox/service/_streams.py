@@ -1,0 +1,107 @@
+"""Streamed execs: a command started as a spawned process on its host, its output sent as
+NDJSON lines while it runs, stopped by a signal, a ``DELETE``, the caller going away or its
+timeout. A plain exec (``POST .../execs``) is one Ray call that cannot be interrupted; a
+streamed one can.
+
+Lines: ``{"type": "start", "exec_id"}``, then ``{"type": "stdout", "data"}`` as output
+arrives, then ``{"type": "exit", "exit_code", "stdout", "stderr", "timed_out", "signal",
+"truncated"}`` with the output not streamed yet (stderr comes here: the host's process API
+reads only stdout while a process runs), or ``{"type": "error", "code", "message"}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..runtime.errors import SandboxError, SandboxStateError
+from ..runtime.results import ExecResult
+from . import _errors
+
+READ_WAIT = 0.5  # one read waits this long on the host for output before we check the exit
+TERM_GRACE = 2.0  # a cancel sends SIGTERM, then SIGKILL after this long
+
+
+@dataclass(eq=False)
+class Stream:
+    """A running streamed exec: the host's process key, and who may signal it."""
+
+    exec_id: str
+    key: str
+    handle: Any
+
+
+Call = Callable[[Any], Awaitable[Any]]
+
+
+async def start(handle: Any, call: Call, command: list[str] | str, *, cwd: str | None,
+                env: dict[str, str] | None, stdin: str | None) -> Stream:
+    key, _pid = await call(handle.spawn.remote(command, cwd=cwd, env=env))
+    stream = Stream(secrets.token_hex(8), key, handle)
+    try:
+        if stdin:
+            await call(handle.process.remote(key, "write_stdin", stdin.encode()))
+        await call(handle.process.remote(key, "close_stdin"))
+    except SandboxStateError:
+        pass  # it exited before reading its input; its output and exit are still kept
+    except BaseException:
+        await close(stream, call)
+        raise
+    return stream
+
+
+async def lines(stream: Stream, call: Call, timeout: float) -> AsyncIterator[bytes]:
+    """The NDJSON lines of a streamed exec; the process is closed (its tree killed) however
+    this ends: the exit, the timeout, an error, or the caller cancelling."""
+    deadline = time.monotonic() + timeout
+    proc = stream.handle.process
+    timed_out = False
+    try:
+        yield _line(type="start", exec_id=stream.exec_id)
+        while True:
+            data = await call(proc.remote(stream.key, "read", READ_WAIT))
+            if data:
+                yield _line(type="stdout", data=data.decode("utf-8", "replace"))
+                continue
+            result = await call(proc.remote(stream.key, "wait", 0))
+            if result is not None:
+                yield _exit_line(result, timed_out)
+                return
+            if time.monotonic() > deadline and not timed_out:
+                timed_out = True  # killed; its exit line follows from the loop
+                await call(proc.remote(stream.key, "kill", 9))
+    except SandboxError as exc:
+        yield _line(type="error", code=_errors.code_of(exc), message=exc.message)
+    finally:
+        # shielded: a caller that went away cancelled us, and the process must still die
+        await asyncio.shield(close(stream, call))
+
+
+async def close(stream: Stream, call: Call) -> None:
+    try:
+        await call(stream.handle.process.remote(stream.key, "close"))
+    except SandboxError:
+        pass  # the sandbox is gone, and the process with it
+
+
+async def cancel(stream: Stream, call: Call) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within TERM_GRACE seconds."""
+    proc = stream.handle.process
+    await call(proc.remote(stream.key, "kill", 15))
+    if await call(proc.remote(stream.key, "wait", TERM_GRACE)) is None:
+        await call(proc.remote(stream.key, "kill", 9))
+
+
+def _exit_line(res: ExecResult, timed_out: bool) -> bytes:
+    return _line(type="exit", exit_code=res.exit_code, stdout=res.stdout, stderr=res.stderr,
+                 timed_out=timed_out or res.timed_out, signal=res.signal,
+                 truncated=res.truncated)
+
+
+def _line(**fields: Any) -> bytes:
+    return json.dumps(fields).encode() + b"\n"
