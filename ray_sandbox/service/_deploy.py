@@ -8,7 +8,7 @@ from typing import Any
 from ray import serve
 
 from ._app import build_app
-from ._config import ServiceConfig
+from ._config import ServiceConfig, from_env
 
 APP_NAME = "ray-sandbox"
 
@@ -46,3 +46,12 @@ def stop() -> None:
     """Delete the service's app and stop Serve."""
     serve.delete(APP_NAME)
     serve.shutdown()
+
+
+def app_builder(args: dict[str, Any]) -> Any:
+    """``serve run ray_sandbox.service:app_builder`` and a RayService's ``serveConfigV2``:
+    tokens from the environment (RAY_SANDBOX_API_TOKEN(S), a tokens file), ``args`` are
+    ServiceConfig's fields plus ``quotas``, a list of ``[tenant:]sandboxes=N,...`` specs."""
+    settings = dict(args)
+    quotas = tuple(settings.pop("quotas", ()))
+    return application(from_env(quotas=quotas, **settings))
