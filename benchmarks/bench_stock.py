@@ -32,7 +32,7 @@ from ray_sandbox.runtime import ImageStore, SandboxRuntime
 from tests.fx_runtime import leftovers
 
 OPTS = {"image": "ray-sandbox/busybox", "cpu": 1, "memory": "48Mi"}
-STOCK_MAX = "32"  # what docs/ray.md suggests when turning the stock on
+STOCK_MAX = "32"  # the default, set so that a caller's environment cannot change it
 PAUSE_S = 0.2  # between sequential creates: the delete is outside the timed part
 REFILL_WAIT_S = 20.0  # how long a burst round waits for the stock to fill (then runs anyway)
 
@@ -138,7 +138,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="rsb-bench-stock-") as d:
         tmp = Path(d)
         os.environ["RAY_SANDBOX_HOME"] = str(tmp / "home")
-        os.environ["RAY_SANDBOX_STOCK_MAX"] = STOCK_MAX  # the stock is off by default
+        os.environ["RAY_SANDBOX_STOCK_MAX"] = STOCK_MAX
         ray.init(num_cpus=32, include_dashboard=False, log_to_driver=False)
         try:
             warm = sandbox.create(**OPTS)  # host up, image pinned; the first miss

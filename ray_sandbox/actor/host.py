@@ -110,7 +110,7 @@ class SandboxHost:
         self._stock = Stock(
             self._rt, self._blocks, self.node_id, busy=self._boots_in_flight,
             per_shape=int(_number_env("RAY_SANDBOX_STOCK_PER_SHAPE", 8)),
-            total=int(_number_env("RAY_SANDBOX_STOCK_MAX", 0)),  # off: see stock.py
+            total=int(_number_env("RAY_SANDBOX_STOCK_MAX", 32)),
             idle_s=_number_env("RAY_SANDBOX_STOCK_IDLE_S", 30.0),
             share=_number_env("RAY_SANDBOX_STOCK_SHARE", 0.25))
         threading.Thread(target=self._watch, name="ray-sandbox-pg-watch", daemon=True).start()
