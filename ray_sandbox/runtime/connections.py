@@ -18,15 +18,22 @@ class Connections:
         self._clients: dict[str, AgentClient] = {}
         self._pythons: dict[tuple[str, str], PythonContext] = {}
 
-    def get(self, sandbox_id: str, socket: Path) -> AgentClient:
-        """The sandbox's client, made on first use (clients connect lazily)."""
+    def get(self, sandbox_id: str, socket: Path,
+            exists: Callable[[], bool]) -> AgentClient | None:
+        """The sandbox's client, made on first use (clients connect lazily); None if
+        ``exists()`` says the sandbox was deleted while its client was being made. A delete
+        closes the client it finds: one made after that would stay here for good."""
         with self._lock:
             client = self._clients.get(sandbox_id)
         if client is not None:
             return client
         client = AgentClient(socket, sandbox_id=sandbox_id, io_timeout=self.io_timeout)
         with self._lock:
-            return self._clients.setdefault(sandbox_id, client)
+            client = self._clients.setdefault(sandbox_id, client)
+        if exists():
+            return client
+        self.close(sandbox_id)
+        return None
 
     def add(self, sandbox_id: str, client: AgentClient) -> None:
         with self._lock:

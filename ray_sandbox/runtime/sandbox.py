@@ -427,7 +427,11 @@ class SandboxRuntime:
         if rec.phase == "paused":
             # Its processes are frozen: a call would only hang until its deadline.
             raise SandboxStateError("sandbox is paused; resume it first", sandbox_id=sandbox_id)
-        return self._connections.get(sandbox_id, self.records.sdir(sandbox_id).socket)
+        client = self._connections.get(sandbox_id, self.records.sdir(sandbox_id).socket,
+                                       lambda: self.records.read(sandbox_id) is not None)
+        if client is None:
+            raise SandboxNotFoundError("sandbox was deleted", sandbox_id=sandbox_id)
+        return client
 
     def _died(self, sandbox_id: str, exc: SandboxError) -> SandboxError:
         try:
