@@ -37,13 +37,15 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def service(ray_cluster, tmp_path_factory) -> Iterator[Service]:
+def service(request, ray_cluster, tmp_path_factory) -> Iterator[Service]:
+    """The module's service; a module may set ``SERVICE_QUOTAS`` (quota specs) of its own."""
     from ray_sandbox import service as svc
 
     audit = tmp_path_factory.mktemp("service") / "audit.log"
     tokens = ",".join(f"{t}={v}" for t, v in TOKENS.items())
-    config = svc.from_env({"RAY_SANDBOX_API_TOKENS": tokens}, quotas=(BOB_QUOTA,),
-                          audit_log=audit, **LIMITS)
+    quotas = getattr(request.module, "SERVICE_QUOTAS", (BOB_QUOTA,))
+    config = svc.from_env({"RAY_SANDBOX_API_TOKENS": tokens}, quotas=quotas, audit_log=audit,
+                          **LIMITS)
     url = svc.start(config, "127.0.0.1", free_port())
     try:
         deadline = time.monotonic() + 60
