@@ -1,0 +1,73 @@
+"""``ray-sandbox serve``: the real command joins this module's Ray cluster, serves the API
+until SIGINT, then removes its Serve app; the sandboxes it made outlive it (detached)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ray_sandbox.client import SandboxClient
+from tests.fx_service import free_port
+
+CLI = str(Path(sys.executable).parent / "ray-sandbox")
+TOKEN = "cli-token-0123456789"
+
+
+def test_serve_refuses_to_start_without_a_token():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SANDBOX_API_")}
+    out = subprocess.run([CLI, "serve"], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "no API token" in out.stderr
+
+
+def test_serve_runs_the_api_until_interrupted(ray_cluster, tmp_path):
+    import ray_sandbox
+    from ray_sandbox.service._sandboxes import TENANT_LABEL
+
+    port = free_port()
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"# the CLI's tenant\nops={TOKEN}\n")
+    address = ray_cluster.get_runtime_context().gcs_address
+    proc = subprocess.Popen(
+        [CLI, "serve", "--port", str(port), "--address", address, "--tokens-file",
+         str(tokens), "--quota", "ops:sandboxes=2"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{url}/api/v1/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline, "ray-sandbox serve did not come up"
+            time.sleep(0.5)
+        c = SandboxClient(url, TOKEN)
+        sb = c.create(image="ray-sandbox/busybox", cpu=0.25, memory="64Mi")
+        assert sb.exec("echo via-cli").stdout == "via-cli\n"
+        with pytest.raises(ray_sandbox.CapacityError):  # --quota applies
+            for _ in range(2):
+                c.create(image="ray-sandbox/busybox", cpu=0.25, memory="64Mi")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 0
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{url}/api/v1/health", timeout=5)
+        # the service's sandboxes are detached: still there until deleted
+        left = ray_sandbox.list({TENANT_LABEL: "ops"})
+        assert {h.name for h in left} >= {sb.sandbox_id}
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        import ray
+
+        ray.get([h.terminate.remote() for h in ray_sandbox.list({TENANT_LABEL: "ops"})],
+                timeout=120)
