@@ -72,8 +72,11 @@ def admit(t: SandboxTemplate, n: int, *, name: str | None = None,
                 router.no_room(node, t)
             return retry
 
-        with ThreadPoolExecutor(max_workers=min(len(parts), _PARALLEL_NODES)) as ex:
-            todo = [i for retry in ex.map(on_node, parts) for i in retry] + left
+        if len(parts) == 1:  # one node: no thread to start (most single creates)
+            todo = on_node(parts[0]) + left
+        else:
+            with ThreadPoolExecutor(max_workers=min(len(parts), _PARALLEL_NODES)) as ex:
+                todo = [i for retry in ex.map(on_node, parts) for i in retry] + left
         if not todo:
             break
     if todo:

@@ -12,9 +12,9 @@ the stock must not keep other Ray work off the node.
 - Each stocked sandbox holds a slot of the host's blocks, so Ray accounts it like any
   sandbox (``ray status``) and the stock can never take what the node does not have. A
   create that finds no free slot evicts stocked sandboxes of its shape (:meth:`evict`).
-- Refills boot at most ``_REFILLS`` sandboxes at a time and start only while no caller's boot
-  is in flight on the host, so the stock does not compete with the boots callers wait for
-  (hand-outs from the stock do not hold refills back).
+- Refills boot at most ``_REFILLS`` sandboxes at a time and start only while no caller's
+  create (boot or hand-out) is in flight on the host, so the stock does not compete with
+  the creates callers wait for.
 - A taken sandbox leaves the stock for good: a sandbox anybody used is never handed out.
 - Stocked sandboxes die with their host, at once and however it dies: a keeper process
   (``runtime.keeper``) waits for the host's process to exit and deletes them. The host's
