@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from ray_sandbox.runtime.config import SandboxConfig
-from tests.fx_service import TOKENS, Service, wait_exec, wait_running
+from tests.fx_service import TOKENS, Service, free_port, wait_exec, wait_running
 
 BUSYBOX = "ray-sandbox/busybox"
 
@@ -354,3 +354,53 @@ def test_directories_go_up_and_down_as_tar_streams(service: Service, tmp_path):
                     content=b"\0" * ((1 << 20) + 1)), 413)
         error(c.get(f"/sandboxes/{sid}/archive", params={"path": "rel"}), 400)
         assert c.delete(f"/sandboxes/{sid}").status_code == 200
+
+
+def _get_when_up(url: str) -> httpx.Response:
+    """GET ``url``, retried while the server inside the sandbox is still starting."""
+    for _ in range(50):
+        r = httpx.get(url, timeout=30)
+        if r.status_code != 502:
+            return r
+        time.sleep(0.2)
+    return r
+
+
+def test_a_published_port_is_reached_with_a_signed_expiring_url(service: Service):
+    ports = free_port(), free_port()
+    with service.client() as c, service.client("bob") as bob:
+        ids = [create(c, network="public", expose_ports=[p], memory="64Mi") for p in ports]
+        for sid, port, text in zip(ids, ports, ("from-a", "from-b"), strict=True):
+            assert wait_running(c, sid)["status"] == "running"
+            c.put(f"/sandboxes/{sid}/files", params={"path": "/srv/index.html"},
+                  content=text.encode())
+            r = c.post(f"/sandboxes/{sid}/execs", json={"command": f"httpd -p {port} -h /srv"})
+            assert wait_exec(c, sid, r.json()["exec_id"])["exit_code"] == 0
+        (a, b), (port_a, port_b) = ids, ports
+        signed = c.post(f"/sandboxes/{a}/ports/{port_a}/url", json={}).json()
+        token = signed["token"]
+        assert signed["url"] == f"{service.url}/ports/{a}/{port_a}/{token}/"
+        # valid: no bearer token needed, the signed one is the authorization
+        r = _get_when_up(signed["url"] + "index.html")
+        assert (r.status_code, r.text) == (200, "from-a")
+        # scoped: A's token opens neither B nor another port of A
+        error(httpx.get(f"{service.url}/ports/{b}/{port_a}/{token}/index.html"), 401,
+              "unauthorized")
+        error(httpx.get(f"{service.url}/ports/{a}/{port_b}/{token}/"), 401)
+        claims, mac = token.split(".")
+        other = c.post(f"/sandboxes/{b}/ports/{port_b}/url", json={}).json()["token"]
+        forged = f"{other.split('.')[0]}.{mac}"  # B's claims under A's signature
+        assert "signature" in error(httpx.get(f"{service.url}/ports/{b}/{port_b}/{forged}/"),
+                                    401)
+        # expiring
+        short = c.post(f"/sandboxes/{a}/ports/{port_a}/url", json={"ttl_seconds": 0.2}).json()
+        while time.time() <= short["expires_at"]:
+            time.sleep(0.1)
+        assert "expired" in error(httpx.get(short["url"] + "index.html"), 401)
+        # only published ports, only the tenant's own sandboxes
+        error(c.post(f"/sandboxes/{a}/ports/9/url", json={}), 400)
+        error(bob.post(f"/sandboxes/{a}/ports/{port_a}/url", json={}), 404)
+        error(c.post(f"/sandboxes/{a}/ports/{port_a}/url", json={"ttl_seconds": -1}), 400)
+        for sid in ids:
+            assert c.delete(f"/sandboxes/{sid}").status_code == 200
+        error(httpx.get(signed["url"]), 404)  # its sandbox is gone

@@ -7,6 +7,8 @@ import hmac
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Query, Request, Response
@@ -14,7 +16,7 @@ from fastapi.responses import StreamingResponse
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from . import _archives, _errors
+from . import _archives, _errors, _ports
 from ._config import ServiceConfig
 from ._models import (
     Created,
@@ -23,6 +25,7 @@ from ._models import (
     Deleted,
     ExecCreated,
     ExecInfo,
+    PortUrl,
     SandboxInfo,
     SandboxList,
     Signal,
@@ -32,6 +35,7 @@ from ._sandboxes import Sandboxes, make_options
 
 PREFIX = "/api/v1"
 PUBLIC = frozenset({f"{PREFIX}/health", f"{PREFIX}/openapi.json"})
+PORTS = f"{PREFIX}/ports/"  # authorized by the signed token in the path (_ports.py)
 MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
 # Route parameters live here: the routes' annotations are strings resolved in this module.
@@ -76,15 +80,15 @@ class Guard:
             return
         headers = Headers(scope=scope)
         tenant = None
-        if scope["path"] not in PUBLIC:
+        if scope["path"] not in PUBLIC and not scope["path"].startswith(PORTS):
             tenant = authenticate(self._tokens, headers.get("authorization", ""))
             if tenant is None:
                 await _refuse(send, 401, "send Authorization: Bearer <token> with a valid "
                                          "token")
                 return
         scope.setdefault("state", {})["tenant"] = tenant
-        limit = (self._config.max_file_bytes if scope["path"].endswith(("/files", "/archive"))
-                 else self._config.max_body_bytes)
+        raw = scope["path"].endswith(("/files", "/archive")) or scope["path"].startswith(PORTS)
+        limit = self._config.max_file_bytes if raw else self._config.max_body_bytes
         try:
             declared = int(headers.get("content-length", "0"))
         except ValueError:
@@ -136,8 +140,16 @@ async def _refuse(send: Send, status: int, message: str) -> None:
 def build_app(config: ServiceConfig) -> Any:
     """The ASGI app of one replica."""
     sandboxes = Sandboxes(config)
+    proxy = _ports.Proxy(config)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await sandboxes.shutdown()  # a replica stopping lets its creates in flight finish
+        await proxy.close()
+
     app = FastAPI(title="ray_sandbox", version="1", openapi_url=f"{PREFIX}/openapi.json",
-                  docs_url=None, redoc_url=None)
+                  docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.sandboxes = sandboxes
     _errors.install(app)
 
@@ -232,6 +244,23 @@ def build_app(config: ServiceConfig) -> Any:
         data = await _archives.download(entry.handle, sandboxes.call, where,
                                         config.max_file_bytes)
         return Response(data, media_type="application/x-tar")
+
+    @app.post(f"{PREFIX}/sandboxes/{{sandbox_id}}/ports/{{port}}/url")
+    async def port_url(request: Request, sandbox_id: str, port: int,
+                       body: PortUrl) -> dict[str, Any]:
+        """A URL to the sandbox's published ``port``, signed for it alone, expiring."""
+        entry = await sandboxes.running(tenant(request), sandbox_id)
+        base = str(request.base_url).rstrip("/") + PREFIX
+        return _ports.port_url(config, base, entry, port, body.ttl_seconds)
+
+    @app.api_route(f"{PREFIX}/ports/{{sandbox_id}}/{{port}}/{{token}}/{{path:path}}",
+                   methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"])
+    async def port_proxy(request: Request, sandbox_id: str, port: int, token: str,
+                         path: str) -> Response:
+        """The sandbox's published port, for whoever holds a valid URL (no bearer)."""
+        claims = _ports.claims_for(config, sandbox_id, port, token)
+        entry = await sandboxes.running(claims["tenant"], sandbox_id)
+        return await proxy.forward(request, entry, port, path)
 
     @app.put(f"{PREFIX}/sandboxes/{{sandbox_id}}/files", status_code=204,
              openapi_extra={"requestBody": {"content": {"application/octet-stream": {}}}})

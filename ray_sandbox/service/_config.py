@@ -5,6 +5,7 @@ starts; the parsers are pure so they are tested without a server."""
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -52,6 +53,9 @@ class ServiceConfig(BaseModel):
     create_timeout: float = Field(600.0, gt=0, description="wait for room (and an image pull)")
     max_ongoing_requests: int = Field(1024, gt=0, description="per replica (long polls wait)")
     audit_log: Path | None = Field(None, description="also append audit lines to this file")
+    signing_key: SecretStr = Field(default_factory=lambda: SecretStr(secrets.token_hex(32)),
+                                   description="signs port URLs (RAY_SANDBOX_API_SIGNING_KEY)")
+    max_port_url_seconds: float = Field(3600.0, gt=0, description="longest port URL life")
     allow_host_network: bool = Field(False, description="network='host' shares the node's")
 
     @field_validator("tokens")
@@ -138,8 +142,11 @@ def parse_quota(spec: str) -> tuple[str, Quota]:
 def from_env(environ: Mapping[str, str] | None = None, *, tokens_file: Path | None = None,
              quotas: tuple[str, ...] = (), **settings: object) -> ServiceConfig:
     """A ServiceConfig from the environment, quota specs and explicit settings."""
-    tokens = tokens_from(os.environ if environ is None else environ, tokens_file)
+    env = os.environ if environ is None else environ
+    tokens = tokens_from(env, tokens_file)
     parsed = dict(parse_quota(q) for q in quotas)
+    if env.get("RAY_SANDBOX_API_SIGNING_KEY"):  # shared by replicas and restarts
+        settings.setdefault("signing_key", env["RAY_SANDBOX_API_SIGNING_KEY"])
     try:
         return ServiceConfig(tokens=tokens, quotas={ANY_TENANT: Quota(), **parsed},
                              **settings)

@@ -86,6 +86,14 @@ class Signal(BaseModel):
     signal: int = Field(ge=1, le=64)
 
 
+class PortUrl(BaseModel):
+    """``POST .../ports/{port}/url``: how long the URL stays valid (capped)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ttl_seconds: float | None = Field(None, gt=0)
+
+
 class ExecCreated(BaseModel):
     exec_id: str
     status: ExecStatusName = "running"

@@ -38,6 +38,7 @@ LABEL_PREFIX = "ray-sandbox/"  # the Ray layer's and this service's labels; call
 TENANT_LABEL = "ray-sandbox/service-tenant"
 CPU_LABEL = "ray-sandbox/service-cpu"
 MEMORY_LABEL = "ray-sandbox/service-memory"
+PORTS_LABEL = "ray-sandbox/service-ports"  # its published ports, for port URLs after adoption
 ID_RE = re.compile(r"^[0-9a-f]{32}$")
 
 
@@ -57,6 +58,7 @@ class Entry:
     image: str
     labels: dict[str, str]
     created_at: float | None
+    ports: tuple[int, ...] = ()
     handle: Any = None  # SandboxHandle once made
     creating: asyncio.Task[None] | None = None
     error: str | None = None
@@ -108,6 +110,7 @@ class Sandboxes:
                       Charge(float(labels.get(CPU_LABEL, 0)), int(labels.get(MEMORY_LABEL, 0))),
                       status.image or "", user_labels(labels),
                       status.created_at.timestamp() if status.created_at else None,
+                      ports=tuple(int(p) for p in labels.get(PORTS_LABEL, "").split(",") if p),
                       handle=handle)
         self._entries[entry.api_id] = entry
         return entry
@@ -153,10 +156,12 @@ class Sandboxes:
         async with self._locks.setdefault(tenant, asyncio.Lock()):
             await self._check_quota(tenant, cost)
             api_id = secrets.token_hex(16)
-            entry = Entry(api_id, tenant, cost, config.image, dict(labels), time.time())
+            entry = Entry(api_id, tenant, cost, config.image, dict(labels), time.time(),
+                          ports=config.expose_ports)
             self._entries[api_id] = entry
         ray_labels = {**labels, TENANT_LABEL: tenant, CPU_LABEL: repr(cost.cpu),
-                      MEMORY_LABEL: str(cost.memory)}
+                      MEMORY_LABEL: str(cost.memory),
+                      PORTS_LABEL: ",".join(map(str, config.expose_ports))}
         entry.creating = asyncio.ensure_future(self._create(entry, {**options,
                                                                      "labels": ray_labels}))
         return entry

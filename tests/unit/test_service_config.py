@@ -14,6 +14,7 @@ from ray_sandbox.service._config import ANY_TENANT, tokens_from
 from ray_sandbox.service._errors import code_of, status_of
 from ray_sandbox.service._models import check_path
 from ray_sandbox.service._quota import Charge, charge, over_quota
+from ray_sandbox.service._signing import sign, verify
 
 GiB = 2**30
 
@@ -108,3 +109,19 @@ def test_paths_must_be_absolute_and_are_normalized():
     for bad in ["", "tmp/x", "/tmp/\0", "/" + "a" * 5000]:
         with pytest.raises(ValueError):
             check_path(bad)
+
+
+def test_port_tokens_verify_only_genuine_unexpired_ones():
+    key = b"k" * 32
+    token = sign(key, {"sid": "a" * 32, "port": 8080, "tenant": "t", "exp": 1000.0})
+    assert verify(key, token, 999.0) == ({"sid": "a" * 32, "port": 8080, "tenant": "t",
+                                          "exp": 1000.0}, "")
+    assert verify(key, token, 1000.0) == (None, "expired token")
+    assert verify(b"other-key" * 4, token, 0) == (None, "bad signature")
+    claims, mac = token.split(".")
+    forged = sign(key, {"sid": "b" * 32, "port": 8080, "tenant": "t", "exp": 1000.0})
+    assert verify(key, f"{forged.split('.')[0]}.{mac}", 0) == (None, "bad signature")
+    for bad in ["", "nodot", f"{claims}.!!!", f"{claims}.", "." * 3000]:
+        assert verify(key, bad, 0)[0] is None
+    no_expiry = sign(key, {"sid": "a"})
+    assert verify(key, no_expiry, 0) == (None, "expired token")

@@ -1,0 +1,97 @@
+"""A sandbox's published port through the service: a URL carrying a signed token scoped to
+that sandbox and port and expiring (``_signing``), and the proxy behind it.
+
+``/api/v1/ports/{sandbox_id}/{port}/{token}/{path}`` needs no bearer token: the signed one
+is the authorization, checked against the sandbox and port in the URL, so a token for one
+sandbox or port opens no other. The sandbox publishes the port on its node
+(``expose_ports``, docs/network.md) at ``RAY_SANDBOX_NET_EXPOSE_ADDR`` (loopback by default:
+then only a replica on the sandbox's node reaches it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import ray
+from fastapi import Request, Response
+from fastapi.responses import StreamingResponse
+
+from . import _errors, _signing
+from ._config import ServiceConfig
+from ._sandboxes import Entry
+
+# Not forwarded either way: they describe one connection, not the request.
+HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
+                        "te", "trailer", "transfer-encoding", "upgrade", "host",
+                        "content-length", "authorization"})
+
+
+def port_url(config: ServiceConfig, base: str, entry: Entry, port: int,
+             ttl: float | None) -> dict[str, Any]:
+    """A URL for ``port`` of the tenant's sandbox, valid for ``ttl`` seconds (capped)."""
+    if port not in entry.ports:
+        raise _errors.refusal(400, f"port {port} is not published by this sandbox "
+                                   f"(expose_ports={list(entry.ports)})")
+    expires = time.time() + min(ttl or config.max_port_url_seconds, config.max_port_url_seconds)
+    claims = {"sid": entry.api_id, "port": port, "tenant": entry.tenant, "exp": expires}
+    token = _signing.sign(config.signing_key.get_secret_value().encode(), claims)
+    return {"url": f"{base}/ports/{entry.api_id}/{port}/{token}/", "token": token,
+            "expires_at": expires}
+
+
+def claims_for(config: ServiceConfig, sandbox_id: str, port: int, token: str) -> dict[str, Any]:
+    """The token's claims if it is genuine, unexpired and for this sandbox and port."""
+    claims, why = _signing.verify(config.signing_key.get_secret_value().encode(), token,
+                                  time.time())
+    if claims is None:
+        raise _errors.refusal(401, f"port token refused: {why}")
+    if claims.get("sid") != sandbox_id or claims.get("port") != port:
+        raise _errors.refusal(401, "port token refused: it is for another sandbox or port")
+    return claims
+
+
+class Proxy:
+    """Forwards requests to published ports; one connection pool per replica."""
+
+    def __init__(self, config: ServiceConfig) -> None:
+        self._http = httpx.AsyncClient(timeout=config.call_timeout, follow_redirects=False)
+        self._addresses: dict[str, str] = {}
+
+    async def _address(self, node_id: str | None) -> str:
+        here = ray.get_runtime_context().get_node_id()
+        if node_id is None or node_id == here:
+            return "127.0.0.1"
+        if node_id not in self._addresses:
+            nodes = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
+            self._addresses.update(nodes)
+        if node_id not in self._addresses:
+            raise _errors.refusal(503, "the sandbox's node is gone")
+        return self._addresses[node_id]
+
+    async def forward(self, request: Request, entry: Entry, port: int, path: str) -> Response:
+        host = await self._address(entry.handle.node_id)
+        url = httpx.URL(f"http://{host}:{port}/{path}", query=request.url.query.encode())
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
+        req = self._http.build_request(request.method, url, headers=headers,
+                                       content=await request.body())  # bounded by the guard
+        try:
+            upstream = await self._http.send(req, stream=True)
+        except httpx.HTTPError as exc:
+            raise _errors.refusal(502, f"nothing answered on port {port}: {exc}") from None
+        out = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
+        return StreamingResponse(_body(upstream), status_code=upstream.status_code,
+                                 headers=out)
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+
+async def _body(upstream: httpx.Response) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in upstream.aiter_raw():
+            yield chunk
+    finally:
+        await upstream.aclose()
