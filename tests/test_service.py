@@ -404,3 +404,49 @@ def test_a_published_port_is_reached_with_a_signed_expiring_url(service: Service
         for sid in ids:
             assert c.delete(f"/sandboxes/{sid}").status_code == 200
         error(httpx.get(signed["url"]), 404)  # its sandbox is gone
+
+
+def _read_until(ws, needle: bytes, limit: int = 200) -> bytes:
+    """Output frames until ``needle`` appears (each recv bounded by its timeout)."""
+    out = b""
+    for _ in range(limit):
+        frame = ws.recv(timeout=30)
+        if isinstance(frame, bytes):
+            out += frame
+            if needle in out:
+                return out
+    raise AssertionError(f"{needle!r} never came: {out!r}")
+
+
+def test_a_terminal_over_a_websocket(service: Service):
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    ws_url = service.url.replace("http://", "ws://")
+    auth = {"Authorization": f"Bearer {TOKENS['alice']}"}
+    with service.client() as c:
+        sid = create(c)
+        assert wait_running(c, sid)["status"] == "running"
+        url = f"{ws_url}/sandboxes/{sid}/pty?rows=30&cols=100"
+        with connect(url, additional_headers=auth) as ws:
+            ws.send(b"stty size; tty; echo $((6*7))\n")
+            out = _read_until(ws, b"42\r\n")
+            assert b"30 100" in out and b"/dev/pts/" in out
+            ws.send(json.dumps({"resize": [40, 120]}))
+            ws.send(b"stty size\n")
+            assert b"40 120" in _read_until(ws, b"40 120")
+            ws.send(b"exit 3\n")
+            frames = []
+            with pytest.raises(ConnectionClosed):
+                while True:
+                    frames.append(ws.recv(timeout=30))
+        exits = [json.loads(f) for f in frames if isinstance(f, str)]
+        assert exits == [{"type": "exit", "exit_code": 3, "signal": None}]
+
+        for headers, code in [({}, 4401), ({"Authorization": "Bearer nope-0123456789"}, 4401),
+                              ({"Authorization": f"Bearer {TOKENS['bob']}"}, 4404)]:
+            with connect(url, additional_headers=headers) as ws:
+                with pytest.raises(ConnectionClosed) as closed:
+                    ws.recv(timeout=30)
+            assert closed.value.rcvd.code == code
+        assert c.delete(f"/sandboxes/{sid}").status_code == 200

@@ -11,12 +11,12 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
-from fastapi import FastAPI, Query, Request, Response
+from fastapi import FastAPI, Query, Request, Response, WebSocket
 from fastapi.responses import StreamingResponse
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from . import _archives, _errors, _ports
+from . import _archives, _errors, _ports, _pty
 from ._config import ServiceConfig
 from ._models import (
     Created,
@@ -75,6 +75,9 @@ class Guard:
             audit_log.setLevel(logging.INFO)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            await self._websocket(scope, receive, send)
+            return
         if scope["type"] != "http":
             await self._app(scope, receive, send)
             return
@@ -125,6 +128,22 @@ class Guard:
                     "path": scope["path"], "query": scope.get("query_string", b"").decode(
                         "latin-1")[:512], "status": status,
                     "ms": round((time.monotonic() - t0) * 1000, 1)}))
+
+
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A terminal: the same bearer token (sent as a header), and an audit line on open."""
+        tenant = authenticate(self._tokens, Headers(scope=scope).get("authorization", ""))
+        audit_log.info(json.dumps({"time": round(time.time(), 3), "tenant": tenant,
+                                   "method": "WEBSOCKET", "path": scope["path"],
+                                   "status": 101 if tenant else 401}))
+        if tenant is None:
+            # accepted, then closed with 4401: a refusal before accepting is an HTTP 403
+            await receive()  # websocket.connect
+            await send({"type": "websocket.accept"})
+            await send({"type": "websocket.close", "code": 4401, "reason": "unauthorized"})
+            return
+        scope.setdefault("state", {})["tenant"] = tenant
+        await self._app(scope, receive, send)
 
 
 async def _refuse(send: Send, status: int, message: str) -> None:
@@ -261,6 +280,19 @@ def build_app(config: ServiceConfig) -> Any:
         claims = _ports.claims_for(config, sandbox_id, port, token)
         entry = await sandboxes.running(claims["tenant"], sandbox_id)
         return await proxy.forward(request, entry, port, path)
+
+    @app.websocket(f"{PREFIX}/sandboxes/{{sandbox_id}}/pty")
+    async def pty(ws: WebSocket, sandbox_id: str, command: str = "/bin/sh",
+                  rows: Annotated[int, Query(ge=1, le=1000)] = 24,
+                  cols: Annotated[int, Query(ge=1, le=1000)] = 80) -> None:
+        """An interactive terminal (ray_sandbox/service/_pty.py)."""
+        try:
+            entry = await sandboxes.running(ws.state.tenant, sandbox_id)
+        except _errors.HTTPException as exc:  # 4404: not yours or no such sandbox (never 403)
+            await ws.accept()
+            await ws.close(code=4000 + exc.status_code, reason=str(exc.detail)[:120])
+            return
+        await _pty.session(ws, entry.handle, sandboxes.call, command, rows, cols)
 
     @app.put(f"{PREFIX}/sandboxes/{{sandbox_id}}/files", status_code=204,
              openapi_extra={"requestBody": {"content": {"application/octet-stream": {}}}})
