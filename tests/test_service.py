@@ -450,3 +450,50 @@ def test_a_terminal_over_a_websocket(service: Service):
                     ws.recv(timeout=30)
             assert closed.value.rcvd.code == code
         assert c.delete(f"/sandboxes/{sid}").status_code == 200
+
+
+def test_snapshot_restore_and_fork_make_sandboxes_of_the_tenant(service: Service):
+    def read(c: httpx.Client, sid: str) -> bytes:
+        return c.get(f"/sandboxes/{sid}/files", params={"path": "/tmp/state"}).content
+
+    with service.client() as c, service.client("bob") as bob:
+        sid = create(c, labels={"suite": "copies"})
+        assert wait_running(c, sid)["status"] == "running"
+        c.put(f"/sandboxes/{sid}/files", params={"path": "/tmp/state"}, content=b"before")
+        r = c.post(f"/sandboxes/{sid}/snapshot")
+        assert r.status_code == 201, r.text
+        snap = r.json()["snapshot_id"]
+        c.put(f"/sandboxes/{sid}/files", params={"path": "/tmp/state"}, content=b"after")
+        assert c.get("/snapshots").json() == {"snapshots": [snap]}
+
+        r = c.post(f"/snapshots/{snap}/restore", json={"count": 2})
+        assert r.status_code == 201, r.text
+        restored = r.json()["sandboxes"]
+        assert len(set(restored)) == 2 and sid not in restored
+        forked = c.post(f"/sandboxes/{sid}/fork", json={}).json()["sandboxes"]
+        for copy, state in [*((x, b"before") for x in restored), (forked[0], b"after")]:
+            assert c.get(f"/sandboxes/{copy}").json()["status"] == "running"
+            assert read(c, copy) == state
+        listed = {s["sandbox_id"] for s in c.get("/sandboxes", params={
+            "label": "suite=copies"}).json()["sandboxes"]}
+        assert listed == {sid, *restored, *forked}
+
+        # another tenant sees none of it
+        assert bob.get("/snapshots").json() == {"snapshots": []}
+        error(bob.post(f"/snapshots/{snap}/restore", json={}), 404)
+        error(bob.post(f"/sandboxes/{sid}/fork", json={}), 404)
+        error(bob.get(f"/sandboxes/{restored[0]}"), 404)
+        error(c.post(f"/snapshots/{snap}/restore", json={"count": 99}), 400)
+        error(c.post(f"/snapshots/{snap}/restore", json={"count": 0}), 400)
+        # copies count against the quota: bob may hold one sandbox
+        own = create(bob)
+        assert wait_running(bob, own)["status"] == "running"
+        error(bob.post(f"/sandboxes/{own}/fork", json={}), 429, "quota_exceeded")
+        assert bob.delete(f"/sandboxes/{own}").status_code == 200
+
+        for x in [sid, *restored, *forked]:
+            assert c.delete(f"/sandboxes/{x}").status_code == 200
+            error(c.get(f"/sandboxes/{x}"), 404)
+        assert c.delete(f"/snapshots/{snap}").status_code == 200
+        assert c.delete(f"/snapshots/{snap}").status_code == 200  # idempotent
+        error(c.post(f"/snapshots/{snap}/restore", json={}), 404)

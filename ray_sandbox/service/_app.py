@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from . import _archives, _errors, _ports, _pty
 from ._config import ServiceConfig
 from ._models import (
+    Copies,
     Created,
     CreateExec,
     CreateSandbox,
@@ -280,6 +281,38 @@ def build_app(config: ServiceConfig) -> Any:
         claims = _ports.claims_for(config, sandbox_id, port, token)
         entry = await sandboxes.running(claims["tenant"], sandbox_id)
         return await proxy.forward(request, entry, port, path)
+
+    def copies(body: Copies) -> int:
+        if body.count > config.max_copies:
+            raise _errors.refusal(400, f"at most {config.max_copies} copies at once")
+        return body.count
+
+    @app.post(f"{PREFIX}/sandboxes/{{sandbox_id}}/snapshot", status_code=201)
+    async def snapshot(request: Request, sandbox_id: str) -> dict[str, str]:
+        """Snapshot a running sandbox; it keeps running."""
+        entry = await sandboxes.running(tenant(request), sandbox_id)
+        return {"snapshot_id": await sandboxes.snapshot(entry)}
+
+    @app.get(f"{PREFIX}/snapshots")
+    async def list_snapshots(request: Request) -> dict[str, list[str]]:
+        return {"snapshots": sandboxes.snapshots(tenant(request))}
+
+    @app.delete(f"{PREFIX}/snapshots/{{snapshot_id}}")
+    async def delete_snapshot(request: Request, snapshot_id: str) -> dict[str, str]:
+        await sandboxes.delete_snapshot(tenant(request), snapshot_id)
+        return {"snapshot_id": snapshot_id, "status": "deleted"}
+
+    @app.post(f"{PREFIX}/snapshots/{{snapshot_id}}/restore", status_code=201)
+    async def restore(request: Request, snapshot_id: str, body: Copies) -> dict[str, list[str]]:
+        """Running copies of the snapshot (all or none); each is a sandbox of the tenant."""
+        ids = await sandboxes.restore(tenant(request), snapshot_id, copies(body))
+        return {"sandboxes": ids}
+
+    @app.post(f"{PREFIX}/sandboxes/{{sandbox_id}}/fork", status_code=201)
+    async def fork(request: Request, sandbox_id: str, body: Copies) -> dict[str, list[str]]:
+        """Running copies of a running sandbox (snapshot + restore)."""
+        entry = await sandboxes.running(tenant(request), sandbox_id)
+        return {"sandboxes": await sandboxes.fork(entry, copies(body))}
 
     @app.websocket(f"{PREFIX}/sandboxes/{{sandbox_id}}/pty")
     async def pty(ws: WebSocket, sandbox_id: str, command: str = "/bin/sh",

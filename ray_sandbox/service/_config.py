@@ -47,6 +47,8 @@ class ServiceConfig(BaseModel):
     max_output_bytes: int = Field(1 << 20, gt=0, description="kept per stream of one exec")
     max_execs_per_sandbox: int = Field(64, gt=0, description="stored results; oldest evicted")
     max_streams: int = Field(256, gt=0, description="streamed execs running at once")
+    max_snapshots: int = Field(16, gt=0, description="snapshots kept per tenant")
+    max_copies: int = Field(8, gt=0, description="copies one fork or restore makes")
     max_errored: int = Field(64, gt=0, description="failed creates kept per tenant for GET")
     create_threads: int = Field(16, gt=0, description="creates and listings run at once")
     call_timeout: float = Field(120.0, gt=0, description="bound on one call to a host")

@@ -94,6 +94,14 @@ class PortUrl(BaseModel):
     ttl_seconds: float | None = Field(None, gt=0)
 
 
+class Copies(BaseModel):
+    """``POST .../fork`` and ``POST /snapshots/{id}/restore``: how many copies."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    count: int = Field(1, ge=1)
+
+
 class ExecCreated(BaseModel):
     exec_id: str
     status: ExecStatusName = "running"

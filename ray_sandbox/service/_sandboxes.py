@@ -17,13 +17,13 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import anyio
 import anyio.to_thread
 
 from .. import actor
-from ..actor.host import NAME_LABEL
 from ..runtime.config import SandboxConfig
 from ..runtime.errors import SandboxError, SandboxNotFoundError
 from ..runtime.results import ExecResult, SandboxState
@@ -67,6 +67,15 @@ class Entry:
     streams: dict[str, _streams.Stream] = field(default_factory=dict)
 
 
+@dataclass(eq=False)
+class Kept:
+    """A snapshot the service took for a tenant, and the sandbox it was taken from."""
+
+    tenant: str
+    snapshot: Any  # ray_sandbox.actor.Snapshot
+    source: Entry
+
+
 def user_labels(labels: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in labels.items() if not k.startswith(LABEL_PREFIX)}
 
@@ -81,6 +90,7 @@ class Sandboxes:
         self._threads = anyio.CapacityLimiter(config.create_threads)
         self._adopted = False
         self._streaming = 0
+        self._snapshots: dict[str, Kept] = {}
 
     async def _blocking(self, fn: Any, *args: Any) -> Any:
         return await anyio.to_thread.run_sync(fn, *args, limiter=self._threads)
@@ -97,8 +107,10 @@ class Sandboxes:
         self._adopted = True
 
     async def _adopt_one(self, handle: Any) -> Entry | None:
-        if handle.name is None or handle.name in self._entries:
-            return self._entries.get(handle.name or "")
+        # a copy (fork, restore) has no name: its runtime id is its API id
+        api_id = handle.name or handle.sandbox_id
+        if api_id in self._entries:
+            return self._entries[api_id]
         try:
             status = await self.call(handle.status.remote())
         except SandboxNotFoundError:
@@ -106,7 +118,7 @@ class Sandboxes:
         labels = status.labels
         if TENANT_LABEL not in labels:
             return None  # not the service's
-        entry = Entry(handle.name, labels[TENANT_LABEL],
+        entry = Entry(api_id, labels[TENANT_LABEL],
                       Charge(float(labels.get(CPU_LABEL, 0)), int(labels.get(MEMORY_LABEL, 0))),
                       status.image or "", user_labels(labels),
                       status.created_at.timestamp() if status.created_at else None,
@@ -122,7 +134,8 @@ class Sandboxes:
         entry = self._entries.get(api_id) if ID_RE.match(api_id) else None
         if entry is None and ID_RE.match(api_id):
             # made by another replica since this one adopted: ask the hosts by its labels
-            found = await self._blocking(actor.list, {NAME_LABEL: api_id, TENANT_LABEL: tenant})
+            found = [h for h in await self._blocking(actor.list, {TENANT_LABEL: tenant})
+                     if api_id in (h.name, h.sandbox_id)]
             entry = await self._adopt_one(found[0]) if found else None
         if entry is None or entry.tenant != tenant or entry.deleted:
             raise _errors.refusal(404, f"no sandbox {api_id!r}")
@@ -166,13 +179,24 @@ class Sandboxes:
                                                                      "labels": ray_labels}))
         return entry
 
-    async def _check_quota(self, tenant: str, cost: Charge) -> None:
+    async def _check_quota(self, tenant: str, cost: Charge, count: int = 1) -> None:
+        """429 unless ``count`` more sandboxes of ``cost`` fit the tenant's quota."""
         quota = self._config.quota(tenant)
-        if over_quota(quota, self._charges(tenant), cost) is None:
+
+        def why() -> str | None:
+            held = self._charges(tenant)
+            for _ in range(count):
+                reason = over_quota(quota, held, cost)
+                if reason is not None:
+                    return reason
+                held.append(cost)
+            return None
+
+        if why() is None:
             return
         # What a host ended by itself (TTL, death) is still counted here: look again.
         await self._forget_gone(tenant)
-        reason = over_quota(quota, self._charges(tenant), cost)
+        reason = why()
         if reason is not None:
             raise _errors.refusal(429, reason)
 
@@ -181,7 +205,8 @@ class Sandboxes:
                 if e.tenant == tenant and not e.deleted and e.error is None]
 
     async def _forget_gone(self, tenant: str) -> None:
-        live = {h.name for h in await self._blocking(actor.list, {TENANT_LABEL: tenant})}
+        live = {h.name or h.sandbox_id
+                for h in await self._blocking(actor.list, {TENANT_LABEL: tenant})}
         for e in list(self._entries.values()):
             if e.tenant == tenant and e.handle is not None and e.api_id not in live:
                 del self._entries[e.api_id]
@@ -265,6 +290,58 @@ class Sandboxes:
                    if e.creating is not None and not e.creating.done()]
         if pending:
             await asyncio.wait(pending, timeout=self._config.call_timeout)
+
+    # --- snapshots and copies -------------------------------------------------------------
+
+    async def snapshot(self, entry: Entry) -> str:
+        """Snapshot a running sandbox (it keeps running); the tenant's snapshots are bounded."""
+        mine = [x for x in self._snapshots.values() if x.tenant == entry.tenant]
+        if len(mine) >= self._config.max_snapshots:
+            raise _errors.refusal(429, f"{len(mine)} snapshots kept, the limit; delete one")
+        snap = await self.call(entry.handle.snapshot.remote())
+        self._snapshots[snap.snapshot_id] = Kept(entry.tenant, snap, entry)
+        return snap.snapshot_id
+
+    def kept(self, tenant: str, snapshot_id: str) -> Kept:
+        kept = self._snapshots.get(snapshot_id)
+        if kept is None or kept.tenant != tenant:
+            raise _errors.refusal(404, f"no snapshot {snapshot_id!r}")
+        return kept
+
+    def snapshots(self, tenant: str) -> list[str]:
+        return [k for k, x in self._snapshots.items() if x.tenant == tenant]
+
+    async def delete_snapshot(self, tenant: str, snapshot_id: str) -> None:
+        try:
+            kept = self.kept(tenant, snapshot_id)
+        except _errors.HTTPException:
+            return  # idempotent, like a sandbox's delete
+        del self._snapshots[snapshot_id]
+        await self._blocking(actor.delete_snapshot, kept.snapshot)
+
+    async def restore(self, tenant: str, snapshot_id: str, count: int) -> list[str]:
+        """``count`` running copies of a snapshot (all or none), charged like their source."""
+        kept = self.kept(tenant, snapshot_id)
+        return await self._copies(kept.source, count, partial(
+            actor.restore, kept.snapshot, count, timeout=self._config.create_timeout))
+
+    async def fork(self, entry: Entry, count: int) -> list[str]:
+        """``count`` running copies of a running sandbox."""
+        return await self._copies(entry, count, partial(
+            actor.fork, entry.handle, count, timeout=self._config.create_timeout))
+
+    async def _copies(self, source: Entry, count: int, make: Any) -> list[str]:
+        async with self._locks.setdefault(source.tenant, asyncio.Lock()):
+            await self._check_quota(source.tenant, source.charge, count)
+            # held while the copies are made, so no create slips past the quota meanwhile
+            handles = await self._blocking(make)
+        ids = []
+        for h in handles:
+            entry = Entry(h.sandbox_id, source.tenant, source.charge, source.image,
+                          dict(source.labels), time.time(), handle=h)
+            self._entries[entry.api_id] = entry
+            ids.append(entry.api_id)
+        return ids
 
     # --- execs -----------------------------------------------------------------------------
 
