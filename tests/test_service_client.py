@@ -37,11 +37,19 @@ def test_sync_client_mirrors_the_handle_and_cleans_up(service: Service):
         with pytest.raises(ray_sandbox.SandboxFileNotFoundError):
             sb.read_file("/tmp/none")
         assert [s.sandbox_id for s in c.list({"suite": "client"})] == [sb.sandbox_id]
+        snap = sb.snapshot()
+        sb.write_file("/tmp/f", "changed")
+        (copy,) = c.restore(snap)
+        (fork,) = sb.fork()
+        assert (copy.read_file("/tmp/f"), fork.read_file("/tmp/f")) == (b"hello", b"changed")
+        c.delete_snapshot(snap)
+        sb.write_file("/tmp/f", "hello")
         assert c.get(sb.sandbox_id).status()["status"] == "running"
         kept = c.create(**SMALL)
         kept.terminate()  # terminated by hand: not deleted again on exit
     with SandboxClient(service.url, TOKENS["alice"]) as c:
-        assert c.list({"suite": "client"}) == []  # the first client deleted it on exit
+        # the first client deleted what it made on exit, copies included
+        assert c.list({"suite": "client"}) == []
         with pytest.raises(ray_sandbox.SandboxNotFoundError):
             c.get(sb.sandbox_id)
 

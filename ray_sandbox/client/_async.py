@@ -77,6 +77,17 @@ class AsyncSandbox:
                                              params={"path": path}))
         return r.content
 
+    async def snapshot(self) -> str:
+        """Snapshot the sandbox (it keeps running); returns the snapshot's id."""
+        r = await self._client._run(_ops.one("POST", self._path("/snapshot"), self.sandbox_id))
+        return r.json()["snapshot_id"]
+
+    async def fork(self, k: int = 1) -> list[AsyncSandbox]:
+        """``k`` running copies, each created by (and deleted with) this client."""
+        r = await self._client._run(_ops.one("POST", self._path("/fork"), self.sandbox_id,
+                                        json={"count": k}, timeout=660))
+        return self._client._adopt(r.json()["sandboxes"])
+
     async def terminate(self) -> None:
         await self._client._run(_ops.one("DELETE", self._path(), self.sandbox_id))
         self._client._made.pop(self.sandbox_id, None)
@@ -120,6 +131,20 @@ class AsyncSandboxClient:
         params = {"label": [f"{k}={v}" for k, v in (labels or {}).items()]}
         r = await self._run(_ops.one("GET", "/sandboxes", params=params))
         return [AsyncSandbox(self, s["sandbox_id"]) for s in r.json()["sandboxes"]]
+
+    async def restore(self, snapshot_id: str, k: int = 1) -> list[AsyncSandbox]:
+        """``k`` running copies of a snapshot this tenant took."""
+        r = await self._run(_ops.one("POST", f"/snapshots/{snapshot_id}/restore",
+                                  json={"count": k}, timeout=660))
+        return self._adopt(r.json()["sandboxes"])
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        await self._run(_ops.one("DELETE", f"/snapshots/{snapshot_id}"))
+
+    def _adopt(self, ids: list[str]) -> list[AsyncSandbox]:
+        made = [AsyncSandbox(self, i) for i in ids]
+        self._made.update((sb.sandbox_id, sb) for sb in made)
+        return made
 
     async def health(self) -> bool:
         return (await self._run(_ops.one("GET", "/health"))).json().get("status") == "ok"

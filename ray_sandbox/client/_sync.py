@@ -73,6 +73,17 @@ class Sandbox:
         return self._client._run(_ops.one("GET", self._path("/files"), self.sandbox_id,
                                           params={"path": path})).content
 
+    def snapshot(self) -> str:
+        """Snapshot the sandbox (it keeps running); returns the snapshot's id."""
+        r = self._client._run(_ops.one("POST", self._path("/snapshot"), self.sandbox_id))
+        return r.json()["snapshot_id"]
+
+    def fork(self, k: int = 1) -> list[Sandbox]:
+        """``k`` running copies, each created by (and deleted with) this client."""
+        r = self._client._run(_ops.one("POST", self._path("/fork"), self.sandbox_id,
+                                        json={"count": k}, timeout=660))
+        return self._client._adopt(r.json()["sandboxes"])
+
     def terminate(self) -> None:
         """Delete the sandbox (idempotent)."""
         self._client._run(_ops.one("DELETE", self._path(), self.sandbox_id))
@@ -120,6 +131,20 @@ class SandboxClient:
         params = {"label": [f"{k}={v}" for k, v in (labels or {}).items()]}
         r = self._run(_ops.one("GET", "/sandboxes", params=params))
         return [Sandbox(self, s["sandbox_id"]) for s in r.json()["sandboxes"]]
+
+    def restore(self, snapshot_id: str, k: int = 1) -> list[Sandbox]:
+        """``k`` running copies of a snapshot this tenant took."""
+        r = self._run(_ops.one("POST", f"/snapshots/{snapshot_id}/restore",
+                                  json={"count": k}, timeout=660))
+        return self._adopt(r.json()["sandboxes"])
+
+    def delete_snapshot(self, snapshot_id: str) -> None:
+        self._run(_ops.one("DELETE", f"/snapshots/{snapshot_id}"))
+
+    def _adopt(self, ids: list[str]) -> list[Sandbox]:
+        made = [Sandbox(self, i) for i in ids]
+        self._made.update((sb.sandbox_id, sb) for sb in made)
+        return made
 
     def health(self) -> bool:
         return self._run(_ops.one("GET", "/health")).json().get("status") == "ok"
