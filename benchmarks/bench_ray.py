@@ -68,12 +68,14 @@ def main() -> None:
         import os
 
         os.environ["RAY_SANDBOX_HOME"] = str(Path(tmp) / "home")
+        # fresh boots, comparable with earlier runs: bench_stock measures creates the stock serves
+        os.environ["RAY_SANDBOX_STOCK_MAX"] = "0"
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
         try:
             # Warm the node: host actor up, image unpacked.
             # cpu=1: a small CFS quota throttles the sandbox's own boot and every exec
             # (bench_scale: cpu 0.1 -> 1 s creates), which would measure the quota, not us.
-            warm = sandbox.create(image="ray-sandbox/busybox", cpu=1, memory="48Mi")
+            warm = sandbox.create(image="ray-sandbox/busybox", cpu=1, memory="128Mi")
             ray.get(warm.exec.remote("true"))
 
             ray_made: list = []
@@ -122,11 +124,14 @@ def main() -> None:
                 hits = pool.stats()["hits"]
                 rows.append(summarize("acquire→first exec (SandboxPool, warm)", samples,
                                       hits=hits))
-            sid = rt.create(image="ray-sandbox/busybox", cpu=1, memory="64Mi")
+            sid = rt.create(image="ray-sandbox/busybox", cpu=1, memory="128Mi")
             rows.append(measure("exec true (ray.get(sb.exec.remote))",
                                 lambda: ray.get(warm.exec.remote(["/bin/true"])), n * 10))
             rows.append(measure("exec true (SandboxRuntime.exec)",
                                 lambda: rt.exec(sid, ["/bin/true"]), n * 10))
+            # Ray's own cost of one actor call: what exec through a handle adds at least
+            rows.append(measure("no-op call to the host actor (Ray's floor)",
+                                lambda: ray.get(warm._host.ping.remote()), n * 10))
             rt.delete(sid)
             rt.close()
             ray.get(warm.terminate.remote())
