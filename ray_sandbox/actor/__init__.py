@@ -15,11 +15,15 @@ from .api import (
 )
 from .handle import SandboxHandle
 from .pool import SandboxPool
+from .ray_handle import SandboxActorHandle
 from .rollout import RolloutTree, branching_rollout
+from .sandbox_class import Sandbox
 from .template import SandboxTemplate, make_template
 
 __all__ = [
     "RolloutTree",
+    "Sandbox",
+    "SandboxActorHandle",
     "SandboxHandle",
     "SandboxPool",
     "SandboxTemplate",

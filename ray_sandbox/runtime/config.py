@@ -168,6 +168,10 @@ class SandboxConfig(BaseModel):
     )
     env: dict[str, str] = Field(default_factory=dict)
     workdir: str | None = None
+    shell: str | None = Field(
+        None, description="the shell a string command runs through (``shell -c``); None = "
+        "/bin/sh (Ray's sandboxes default to /bin/bash, which busybox images lack)"
+    )
     readonly: bool = True
     capabilities: tuple[str, ...] | None = Field(
         None, description="None = Docker's default set; () = none"
@@ -199,7 +203,10 @@ class SandboxConfig(BaseModel):
 
     @field_validator("memory", "disk", mode="before")
     @classmethod
-    def _size(cls, v: Any) -> Any:
+    def _size(cls, v: Any, info: Any) -> Any:
+        # memory=0 means no limit, as in Ray's sandboxes (and cpu=0 here)
+        if info.field_name == "memory" and v == 0 and not isinstance(v, bool):
+            return None
         return None if v is None else parse_size(v)
 
     @field_validator("memory")
@@ -233,6 +240,13 @@ class SandboxConfig(BaseModel):
                 raise ValueError(f"invalid environment variable name {k!r}")
             if "\0" in val:
                 raise ValueError(f"environment variable {k!r} contains a NUL byte")
+        return v
+
+    @field_validator("shell")
+    @classmethod
+    def _shell(cls, v: str | None) -> str | None:
+        if v is not None and (not v.startswith("/") or any(c in v for c in " \t\n\0")):
+            raise ValueError(f"shell must be an absolute path such as /bin/bash, got {v!r}")
         return v
 
     @field_validator("workdir")
@@ -356,7 +370,7 @@ class SandboxConfig(BaseModel):
 # What a running, never-used sandbox can still take on when it is handed out (the record,
 # the exec defaults, an nft policy): everything else shapes its boot.
 PERSONAL_FIELDS = frozenset({"env", "labels", "ttl_seconds", "timeout_seconds", "user",
-                             "workdir", "egress"})
+                             "workdir", "egress", "shell"})
 
 
 def boot_key(cfg: SandboxConfig) -> str | None:

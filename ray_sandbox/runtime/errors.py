@@ -1,18 +1,22 @@
 """Every error ray_sandbox raises.
 
     SandboxError                      root of runtime failures; carries sandbox_id, argv, stderr
+    ├── SandboxTimeoutError           Ray's name: an operation ran out of time; base of
+    │                                 CommandTimeoutError, AgentTimeoutError, ImageBusyError
+    ├── SandboxExecError              Ray's name: a command could not be run; base of ExecError
     ├── ConfigError (ValueError)      bad configuration or arguments, rejected before any work
     ├── ToolMissingError              a required binary (runsc, umoci, skopeo, …) is not installed
     ├── CommandError                  an external tool failed; argv, returncode and stderr attached
     │   └── CommandTimeoutError       … or did not finish in time (it was killed)
-    ├── ImageError                    anything about images
-    │   ├── ImageReferenceError       unparsable reference
-    │   ├── ImageNotFoundError        no such image/tag in the source or the local store
-    │   ├── RegistryUnreachableError  registry did not answer
-    │   ├── RegistryAuthError         registry refused the credentials
-    │   ├── PlatformNotFoundError     the image has no manifest for the requested platform
-    │   ├── ImageCorruptError         archive/layout/layer is damaged
-    │   ├── StoreFullError            no space left for the image store
+    ├── ImageError                    anything about images; those marked * are also
+    │   │                             SandboxCreationError (an image a create could not get)
+    │   ├── ImageReferenceError *     unparsable reference
+    │   ├── ImageNotFoundError *      no such image/tag in the source or the local store
+    │   ├── RegistryUnreachableError * registry did not answer
+    │   ├── RegistryAuthError *       registry refused the credentials
+    │   ├── PlatformNotFoundError *   the image has no manifest for the requested platform
+    │   ├── ImageCorruptError *       archive/layout/layer is damaged
+    │   ├── StoreFullError *          no space left for the image store
     │   ├── ImageInUseError           pinned by a live sandbox: not removed
     │   └── ImageBusyError            (also TimeoutError) its lock was held past the timeout
     ├── SandboxCreationError          a sandbox could not be created (nothing is left behind)
@@ -26,7 +30,7 @@
     │   └── AgentTimeoutError         agent missed a deadline (hung, stopped); also TimeoutError
     ├── AgentProtocolError            the agent broke the wire protocol (broken or replaced)
     ├── SnapshotCorruptError          a snapshot's files are incomplete or damaged
-    ├── ExecError                     a command could not be started (bad cwd, user, …)
+    ├── ExecError (SandboxExecError)  a command could not be started (bad cwd, user, …)
     ├── SandboxFileError              file operation failed inside the sandbox
     │   ├── SandboxFileNotFoundError  (also FileNotFoundError)
     │   ├── SandboxIsADirectoryError  (also IsADirectoryError)
@@ -87,6 +91,8 @@ __all__ = [
     "ImageBusyError",
     "HostRetiringError",
     "SessionError",
+    "SandboxExecError",
+    "SandboxTimeoutError",
 ]
 
 
@@ -132,6 +138,16 @@ def _rebuild(cls: type[SandboxError], message: str, state: dict) -> SandboxError
     return err
 
 
+class SandboxTimeoutError(SandboxError):
+    """An operation ran out of time (Ray's name). An exec whose own ``timeout`` fires is a
+    result (``ExecResult.timed_out``), not this error. Not itself a TimeoutError (an
+    OSError), so ``except OSError`` around a tool call never swallows a killed tool."""
+
+
+class SandboxExecError(SandboxError):
+    """A command could not be run (Ray's name); a non-zero exit is a result, not this."""
+
+
 class ConfigError(SandboxError, ValueError):
     """Invalid configuration or arguments; raised before anything is created."""
 
@@ -144,7 +160,7 @@ class CommandError(SandboxError):
     """An external tool (runsc, umoci, skopeo, …) exited with an error."""
 
 
-class CommandTimeoutError(CommandError):
+class CommandTimeoutError(CommandError, SandboxTimeoutError):
     """An external tool did not finish in time and was killed."""
 
 
@@ -152,36 +168,36 @@ class ImageError(SandboxError):
     """Base class for image failures."""
 
 
-class ImageReferenceError(ImageError, ValueError):
+class SandboxCreationError(SandboxError):
+    """A sandbox could not be created; nothing of it was left behind."""
+
+
+class ImageReferenceError(ImageError, SandboxCreationError, ValueError):
     """The image reference cannot be parsed."""
 
 
-class ImageNotFoundError(ImageError):
+class ImageNotFoundError(ImageError, SandboxCreationError):
     """The image (or tag/digest) does not exist where it was looked for."""
 
 
-class RegistryUnreachableError(ImageError):
+class RegistryUnreachableError(ImageError, SandboxCreationError):
     """The registry could not be reached."""
 
 
-class RegistryAuthError(ImageError):
+class RegistryAuthError(ImageError, SandboxCreationError):
     """The registry refused the credentials (or demanded some)."""
 
 
-class PlatformNotFoundError(ImageError):
+class PlatformNotFoundError(ImageError, SandboxCreationError):
     """The image index has no manifest for the requested OS/architecture."""
 
 
-class ImageCorruptError(ImageError):
+class ImageCorruptError(ImageError, SandboxCreationError):
     """An archive, layout or layer is damaged or not an image."""
 
 
-class StoreFullError(ImageError):
+class StoreFullError(ImageError, SandboxCreationError):
     """The disk holding the image store is full."""
-
-
-class SandboxCreationError(SandboxError):
-    """A sandbox could not be created; nothing of it was left behind."""
 
 
 class CapacityError(SandboxCreationError):
@@ -218,7 +234,7 @@ class SandboxDiedError(SandboxError):
     """The sandbox stopped while the call was running (OOM kill, crash, delete)."""
 
 
-class AgentTimeoutError(SandboxDiedError, TimeoutError):
+class AgentTimeoutError(SandboxDiedError, SandboxTimeoutError, TimeoutError):
     """The sandbox's agent did not answer, or take the data sent, before the call's deadline:
     it hangs or its handler was stopped (SIGSTOP from inside). The connection was dropped."""
 
@@ -231,7 +247,7 @@ class AgentProtocolError(SandboxError):
     connection was dropped; the sandbox itself may still be running."""
 
 
-class ExecError(SandboxError):
+class ExecError(SandboxExecError):
     """A command could not be started (bad cwd, unknown user, bad env)."""
 
 
@@ -275,7 +291,7 @@ class ImageInUseError(ImageError):
     """The image is pinned by a live sandbox and cannot be removed."""
 
 
-class ImageBusyError(ImageError, TimeoutError):
+class ImageBusyError(ImageError, SandboxTimeoutError, TimeoutError):
     """Another thread or process held the image's lock for longer than the timeout."""
 
 

@@ -16,9 +16,10 @@ from .records import SandboxRecord
 
 
 def argv_of(rec: SandboxRecord, command: str | list[str], shell: str | None) -> list[str]:
-    """A string runs through ``shell`` (default ``/bin/sh -c``); a list runs as argv."""
+    """A string runs through ``shell`` (else the sandbox's ``shell``, else ``/bin/sh``) with
+    ``-c``; a list runs as argv."""
     if isinstance(command, str):
-        sh = shell or "/bin/sh"
+        sh = shell or rec.config.get("shell") or "/bin/sh"
         if not os.path.lexists(Path(rec.image_rootfs) / sh.lstrip("/")):
             raise ExecError(f"image {rec.image} has no {sh}; pass the command as an argv list",
                             sandbox_id=rec.sandbox_id)

@@ -102,6 +102,25 @@ def check_id(sandbox_id: object) -> None:
         raise SandboxNotFoundError(f"not a sandbox id: {sandbox_id!r}", sandbox_id=None)
 
 
+# Ray's sandboxes name theirs "ray-sandbox-<hex>". Ours stay 32 hex characters (runsc matches
+# ids by prefix, so they have one length; directories and records are keyed by them); the
+# compatibility layers show the prefixed form and take either (docs/compat.md, "Ids").
+RAY_ID_PREFIX = "ray-sandbox-"
+
+
+def parse_id(text: object) -> str:
+    """The sandbox id in ``text``: ``<32 hex>`` or ``ray-sandbox-<32 hex>``."""
+    if isinstance(text, str):
+        text = text.removeprefix(RAY_ID_PREFIX)
+    check_id(text)
+    return str(text)
+
+
+def ray_id(sandbox_id: str) -> str:
+    """``sandbox_id`` in Ray's form, ``ray-sandbox-<32 hex>``."""
+    return RAY_ID_PREFIX + parse_id(sandbox_id)
+
+
 def labels_match(have: Mapping[str, str], want: Mapping[str, str]) -> bool:
     return all(have.get(k) == v for k, v in want.items())
 

@@ -35,6 +35,11 @@ class ExecResult(BaseModel):
         return self.stderr_bytes.decode("utf-8", errors="replace")
 
     @property
+    def duration_ms(self) -> float:
+        """``duration_seconds`` in milliseconds (Ray's name)."""
+        return self.duration_seconds * 1000.0
+
+    @property
     def ok(self) -> bool:
         return self.exit_code == 0 and not self.timed_out
 

@@ -137,17 +137,23 @@ class SandboxRuntime:
 
     def create(
         self,
-        config: SandboxConfig | Mapping[str, Any] | None = None,
+        config: SandboxConfig | Mapping[str, Any] | str | None = None,
         *,
         detach: bool = False,
         **kwargs: Any,
     ) -> str:
         """Create and start a sandbox; returns its id once it is ready for exec.
 
-        Keyword arguments are :class:`SandboxConfig` fields (``image``, ``cpu``, ``memory``,
+        ``config`` is a config, or the image reference (``create("python:3.12-slim")``, as
+        Ray's ``SandboxRuntime.create`` takes it). Keyword arguments are
+        :class:`SandboxConfig` fields (``image``, ``cpu``, ``memory``, ``shell``,
         ``spec_transform``/``_oci_spec_transform_fn`` …). ``detach=True`` lets the sandbox
         outlive this process (then only ``delete`` or its TTL end it).
         """
+        if isinstance(config, str):
+            if "image" in kwargs:
+                raise ConfigError("image given twice: positionally and as image=")
+            config, kwargs = None, {"image": config, **kwargs}
         cfg = make_config(config, **kwargs)
         if cfg.effective_rootless and (cfg.memory or cfg.cpu):
             warnings.warn(
