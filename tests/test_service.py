@@ -240,9 +240,10 @@ def test_openapi_document_is_public(service: Service, path: str):
     assert "/api/v1/sandboxes/{sandbox_id}/execs/{exec_id}" in doc["paths"]
 
 
-def _ndjson(r: httpx.Response):
+def _ndjson(r: httpx.Response, keepalive: bool = False):
+    """The stream's lines; keepalive lines (after 1 s of silence here) only if asked."""
     for line in r.iter_lines():
-        if line:
+        if line and (keepalive or json.loads(line)["type"] != "keepalive"):
             yield json.loads(line)
 
 
@@ -267,14 +268,17 @@ def test_streamed_output_arrives_before_the_command_exits(service: Service):
         with c.stream("POST", f"/sandboxes/{sid}/execs/stream",
                       json={"command": script}) as r:
             assert r.status_code == 200 and r.headers["content-type"] == "application/x-ndjson"
-            lines = _ndjson(r)
+            lines = _ndjson(r, keepalive=True)
             start = next(lines)
             assert start["type"] == "start" and start["exec_id"]
             assert next(lines) == {"type": "stdout", "data": "ready\n"}
-            # the command is still waiting for /tmp/go: the line came before its exit
+            # the command is still waiting for /tmp/go: the line came before its exit, and
+            # while it is silent the stream carries keepalive lines
+            assert next(lines) == {"type": "keepalive"}
             other.put(f"/sandboxes/{sid}/files", params={"path": "/tmp/go"}, content=b"")
             rest = list(lines)
         out = "".join(x["data"] for x in rest if x["type"] == "stdout")
+        assert {x["type"] for x in rest} <= {"stdout", "keepalive", "exit"}
         last = rest[-1]
         assert out + last["stdout"] == "done\n"
         assert (last["type"], last["exit_code"], last["stderr"]) == ("exit", 5, "err\n")

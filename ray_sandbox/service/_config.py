@@ -47,6 +47,7 @@ class ServiceConfig(BaseModel):
     max_output_bytes: int = Field(1 << 20, gt=0, description="kept per stream of one exec")
     max_execs_per_sandbox: int = Field(64, gt=0, description="stored results; oldest evicted")
     max_streams: int = Field(256, gt=0, description="streamed execs running at once")
+    stream_keepalive_seconds: float = Field(15.0, gt=0, description="line in a silence")
     max_snapshots: int = Field(16, gt=0, description="snapshots kept per tenant")
     max_copies: int = Field(8, gt=0, description="copies one fork or restore makes")
     max_errored: int = Field(64, gt=0, description="failed creates kept per tenant for GET")

@@ -14,6 +14,7 @@ import asyncio
 import json
 from typing import Any
 
+import anyio
 from fastapi import WebSocket, WebSocketDisconnect
 
 from ..runtime.errors import SandboxError
@@ -54,7 +55,8 @@ async def session(ws: WebSocket, handle: Any, call: Call, command: str, rows: in
         inbound.cancel()
         if inbound.done() and not inbound.cancelled():
             inbound.exception()  # why the client's side ended; the socket closes either way
-        await asyncio.shield(_close(call, proc, key))
+        with anyio.CancelScope(shield=True):  # the process dies however the socket ended
+            await _close(call, proc, key)
     await _quietly(ws.close())
 
 

@@ -391,7 +391,8 @@ class Sandboxes:
     async def _stream_lines(self, entry: Entry, stream: _streams.Stream,
                             limit: float) -> AsyncIterator[bytes]:
         try:
-            async for line in _streams.lines(stream, self.call, limit):
+            async for line in _streams.lines(stream, self.call, limit,
+                                             self._config.stream_keepalive_seconds):
                 yield line
         finally:
             entry.streams.pop(stream.exec_id, None)

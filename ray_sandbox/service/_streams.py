@@ -4,20 +4,22 @@ timeout. A plain exec (``POST .../execs``) is one Ray call that cannot be interr
 streamed one can.
 
 Lines: ``{"type": "start", "exec_id"}``, then ``{"type": "stdout", "data"}`` as output
-arrives, then ``{"type": "exit", "exit_code", "stdout", "stderr", "timed_out", "signal",
-"truncated"}`` with the output not streamed yet (stderr comes here: the host's process API
-reads only stdout while a process runs), or ``{"type": "error", "code", "message"}``.
+arrives (``{"type": "keepalive"}`` after a silence), then ``{"type": "exit",
+"exit_code", "stdout", "stderr", "timed_out", "signal", "truncated"}`` with the output not
+streamed yet (stderr comes here: the host's process API reads only stdout while a process
+runs), or ``{"type": "error", "code", "message"}``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
+
+import anyio
 
 from ..runtime.errors import SandboxError, SandboxStateError
 from ..runtime.results import ExecResult
@@ -55,19 +57,27 @@ async def start(handle: Any, call: Call, command: list[str] | str, *, cwd: str |
     return stream
 
 
-async def lines(stream: Stream, call: Call, timeout: float) -> AsyncIterator[bytes]:
+async def lines(stream: Stream, call: Call, timeout: float,
+                keepalive: float) -> AsyncIterator[bytes]:
     """The NDJSON lines of a streamed exec; the process is closed (its tree killed) however
-    this ends: the exit, the timeout, an error, or the caller cancelling."""
+    this ends: the exit, the timeout, an error, or the caller cancelling. A silent command
+    still gets a line every ``keepalive`` seconds: proxies keep the stream open, and a caller
+    that went away is noticed when the line cannot be written."""
     deadline = time.monotonic() + timeout
     proc = stream.handle.process
     timed_out = False
     try:
         yield _line(type="start", exec_id=stream.exec_id)
+        sent = time.monotonic()
         while True:
             data = await call(proc.remote(stream.key, "read", READ_WAIT))
             if data:
                 yield _line(type="stdout", data=data.decode("utf-8", "replace"))
+                sent = time.monotonic()
                 continue
+            if time.monotonic() - sent > keepalive:
+                yield _line(type="keepalive")
+                sent = time.monotonic()
             result = await call(proc.remote(stream.key, "wait", 0))
             if result is not None:
                 yield _exit_line(result, timed_out)
@@ -78,8 +88,11 @@ async def lines(stream: Stream, call: Call, timeout: float) -> AsyncIterator[byt
     except SandboxError as exc:
         yield _line(type="error", code=_errors.code_of(exc), message=exc.message)
     finally:
-        # shielded: a caller that went away cancelled us, and the process must still die
-        await asyncio.shield(close(stream, call))
+        # a caller that went away cancelled us, and the process must still die: in this task
+        # (asyncio.shield's inner task is held by nothing and may vanish) and shielded from
+        # the cancellation, which anyio delivers again at every await in a cancelled scope
+        with anyio.CancelScope(shield=True):
+            await close(stream, call)
 
 
 async def close(stream: Stream, call: Call) -> None:
