@@ -10,6 +10,8 @@ stock's quarter share is 8 sandboxes of this shape; the machine has 2 cores):
 - the same with 8 concurrent callers;
 - ``fresh boot (baseline)``: the same create, but with a config no stocked sandbox can serve
   (an identity ``spec_transform``), so every one boots;
+- ``neighbour exec``: exec ``true`` in another sandbox of the node while the stock is full and
+  quiet, then while it refills what 4 hand-outs took (the refill must not starve it);
 - ``bare runsc run → runsc exec (baseline)``: no Ray, no agent, the same bundle shape.
 """
 
@@ -100,6 +102,36 @@ def concurrent(n: int, callers: int, opts: dict, label: str,
                      stocked_per_round=stocked_at_start)
 
 
+def neighbour(n: int, host: ray.actor.ActorHandle) -> list[dict]:
+    """A neighbour's exec latency while the stock is full and quiet, then while it refills
+    (``k`` hand-outs in a row empty part of it; the refills boot while the neighbour runs)."""
+    nb = sandbox.create(**{**OPTS, "memory": "128Mi"})  # room for gVisor's ~100 KB per exec
+    ray.get(nb.exec.remote(["/bin/true"]))
+
+    def execs(until) -> list[float]:
+        out: list[float] = []
+        while not until(out):
+            t0 = time.perf_counter()
+            ray.get(nb.exec.remote(["/bin/true"]))
+            out.append((time.perf_counter() - t0) * 1000)
+        return out
+
+    def full() -> bool:
+        return ray.get(host.stock.remote())["stocked"] >= ray.get(host.stock.remote())["target"]
+
+    deadline = time.monotonic() + REFILL_WAIT_S
+    while not full() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    quiet = execs(lambda out: len(out) >= n)
+    k = min(4, ray.get(host.stock.remote())["stocked"])
+    taken = [sandbox.create(**OPTS) for _ in range(k)]
+    deadline = time.monotonic() + REFILL_WAIT_S
+    refilling = execs(lambda out: len(out) >= 5 and (full() or time.monotonic() > deadline))
+    ray.get([sb.terminate.remote() for sb in [*taken, nb]])
+    return [summarize("neighbour exec, stock full and quiet", quiet),
+            summarize(f"neighbour exec while the stock refills {k}", refilling, refills=k)]
+
+
 def bare(n: int, tmp: Path) -> dict:
     with SandboxRuntime(tmp / "bare-home", images=ImageStore()) as rt:
         ref = rt.create(image=OPTS["image"], memory=OPTS["memory"], cpu=OPTS["cpu"])
@@ -154,6 +186,7 @@ def main() -> None:
                                   leftovers_2s_after_last=_left_of(tmp / "home", ended)))
             rows.append(concurrent(n, 8, OPTS, f"create()→first exec, stock, bursts of 8 ({n})",
                                    host))
+            rows += neighbour(n, host)
             fresh = {**OPTS, "spec_transform": _identity}
             rows.append(sequential(n, fresh, "create()→first exec, fresh boot (baseline)",
                                    host))
