@@ -42,6 +42,15 @@
     ├── NetworkError                  network namespace / egress setup failed
     └── SessionError                  MCP: unknown session, or at the session limit
 
+    Under Modal's names (``ray_sandbox.modal.exception``; what the Modal facade raises itself):
+    ModalError "Error"                root of them, a SandboxError
+    ├── ModalInvalidError "InvalidError" (ConfigError)
+    ├── ModalNotFoundError "NotFoundError" (SandboxNotFoundError)
+    ├── ModalSandboxTerminatedError "SandboxTerminatedError"
+    └── ModalTimeoutError "TimeoutError" (TimeoutError)
+        ├── ModalSandboxTimeoutError "SandboxTimeoutError"
+        └── ModalExecTimeoutError "ExecTimeoutError"
+
     ProtocolError (ValueError)        a malformed agent frame, raised by the pure wire codec and
                                       turned into AgentProtocolError at the one connection
                                       boundary (agent/conn.py); never reaches a caller
@@ -303,6 +312,39 @@ class SessionError(SandboxError):
     """An MCP call named an unknown session, or the server is at its session limit."""
 
 
+class ModalError(SandboxError):
+    """Modal's ``modal.exception.Error``: root of what ``ray_sandbox.modal`` raises itself."""
+
+
+class ModalInvalidError(ModalError, ConfigError):
+    """Modal's ``InvalidError``: a call Modal would refuse (e.g. ``returncode`` before
+    ``wait()``)."""
+
+
+class ModalNotFoundError(ModalError, SandboxNotFoundError):
+    """Modal's ``NotFoundError``: no sandbox with this id or name."""
+
+    __str__ = SandboxError.__str__
+
+
+class ModalSandboxTerminatedError(ModalError):
+    """Modal's ``SandboxTerminatedError``: ``wait()`` on a sandbox that was terminated."""
+
+
+class ModalTimeoutError(ModalError, TimeoutError):
+    """Modal's ``TimeoutError``."""
+
+    __str__ = SandboxError.__str__
+
+
+class ModalSandboxTimeoutError(ModalTimeoutError):
+    """Modal's ``SandboxTimeoutError``: ``wait()`` on a sandbox whose ``timeout`` ran out."""
+
+
+class ModalExecTimeoutError(ModalTimeoutError):
+    """Modal's ``ExecTimeoutError``."""
+
+
 class ProtocolError(ValueError):
     """The agent sent something the wire protocol does not allow (internal: see above)."""
 
@@ -310,3 +352,13 @@ class ProtocolError(ValueError):
 # Reprs and tracebacks name the public home of every error, not this private module.
 for _name in __all__:
     globals()[_name].__module__ = "ray_sandbox"
+
+# Modal's names, where Modal code imports them from (and pickle finds them).
+MODAL_NAMES = {
+    ModalError: "Error", ModalInvalidError: "InvalidError", ModalNotFoundError: "NotFoundError",
+    ModalSandboxTerminatedError: "SandboxTerminatedError", ModalTimeoutError: "TimeoutError",
+    ModalSandboxTimeoutError: "SandboxTimeoutError", ModalExecTimeoutError: "ExecTimeoutError",
+}
+for _cls, _name in MODAL_NAMES.items():
+    _cls.__module__ = "ray_sandbox.modal.exception"
+    _cls.__name__ = _cls.__qualname__ = _name

@@ -1,0 +1,89 @@
+"""Modal's ``Sandbox.create`` arguments onto :func:`ray_sandbox.create`'s: the one place
+where a Modal option becomes a SandboxConfig field (or a refusal naming it)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ..runtime.config import EgressPolicy
+from ..runtime.errors import ModalInvalidError
+
+APP_LABEL = "modal.app"  # the App a sandbox was created for: Sandbox.list(app_id=) filters it
+DEFAULT_IMAGE = "ray-sandbox/python"  # Modal's default image is a Debian with Python
+
+# Modal's create() arguments that need what this backend does not have (docs/compat.md):
+# refused when given anything but their default.
+UNSUPPORTED = {
+    "idle_timeout": "idle_timeout (no idle tracking yet)",
+    "gpu": "gpu (sandboxes have no GPU access here)",
+    "cloud": "cloud (placement is Ray's)", "region": "region (placement is Ray's)",
+    "volumes": "volumes", "network_file_systems": "network_file_systems",
+    "pty": "pty on create", "pty_info": "pty_info",
+    "encrypted_ports": "tunnels (encrypted_ports)", "h2_ports": "tunnels (h2_ports)",
+    "unencrypted_ports": "tunnels (unencrypted_ports)", "custom_domain": "custom_domain",
+    "proxy": "proxy", "inbound_cidr_allowlist": "inbound_cidr_allowlist",
+    "readiness_probe": "readiness_probe",
+    "include_oidc_identity_token": "include_oidc_identity_token",
+    "experimental_options": "experimental_options",
+    "_experimental_enable_snapshot": "_experimental_enable_snapshot",
+    "runtime": "runtime", "client": "client (there is no Modal client here)",
+    "environment_name": "environment_name",
+}
+
+
+def refuse(options: Mapping[str, Any], what: str) -> None:
+    """NotImplementedError naming the first option given a value this backend cannot
+    honour (anything but its default: None, False or empty)."""
+    for key, value in options.items():
+        if value:
+            raise NotImplementedError(f"{what}({key}=...): {UNSUPPORTED.get(key, key)} is "
+                                      "not supported by ray_sandbox.modal (docs/compat.md)")
+
+
+def _limit(value: Any) -> Any:
+    """Modal's ``(request, limit)`` pairs: a sandbox reserves in Ray what it may use."""
+    return value[1] if isinstance(value, tuple) else value
+
+
+def create_options(
+    *, image: str | None, app: str | None, name: str | None, tags: Mapping[str, str] | None,
+    env: Mapping[str, str | None] | None, secrets_env: Sequence[Mapping[str, str]],
+    timeout: float | None, workdir: str | None, cpu: Any, memory: Any,
+    block_network: bool, cidr_allowlist: Sequence[str] | None,
+    outbound_domain_allowlist: Sequence[str] | None, others: Mapping[str, Any],
+) -> dict[str, Any]:
+    """:func:`ray_sandbox.create` keyword arguments for Modal's ``Sandbox.create``."""
+    for key in others:
+        if key not in UNSUPPORTED:  # as Python (and Modal) would: a typo must not pass
+            raise TypeError(f"Sandbox.create() got an unexpected keyword argument {key!r}")
+    refuse(others, "Sandbox.create")
+    merged: dict[str, str] = {}
+    for secret in secrets_env:
+        merged.update(secret)
+    merged.update({k: v for k, v in (env or {}).items() if v is not None})
+    allow = (cidr_allowlist, outbound_domain_allowlist)
+    if block_network and any(a is not None for a in allow):
+        raise ModalInvalidError("block_network=True cannot be combined with an allowlist")
+    out: dict[str, Any] = {
+        "image": image or DEFAULT_IMAGE,
+        "env": merged,
+        "labels": {**(tags or {}), **({APP_LABEL: app} if app else {})},
+        # Modal's sandboxes reach the internet unless blocked: ours through network
+        # "public" (private and metadata addresses stay denied, docs/network.md)
+        "network": "none" if block_network else "public",
+        "ttl_seconds": timeout,
+    }
+    if any(a is not None for a in allow):
+        out["egress"] = EgressPolicy(allow_cidrs=tuple(cidr_allowlist or ()),
+                                     allow_domains=tuple(outbound_domain_allowlist or ()),
+                                     default="deny")
+    if name is not None:
+        out["name"] = name
+    if workdir is not None:
+        out["workdir"] = workdir
+    if cpu is not None:
+        out["cpu"] = _limit(cpu)
+    if memory is not None:
+        out["memory"] = f"{_limit(memory)}Mi"  # Modal counts MiB
+    return out

@@ -1,0 +1,300 @@
+"""Modal's process and file handles over a sandbox handle: ``ContainerProcess`` (what
+``exec`` returns) with ``StreamReader`` stdout/stderr and a ``StreamWriter`` stdin, and
+``FileIO`` (what ``open`` returns). A process is one the handle spawned (``spawn`` and
+``process``: stdin, output as it comes, wait, kill)."""
+
+from __future__ import annotations
+
+import codecs
+import enum
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import ray
+from ray.exceptions import RayError
+
+from ..actor.handle import SandboxHandle
+from ..runtime.errors import ModalInvalidError, SandboxError
+from ..runtime.results import ExecResult
+from ._aio import aiter_in_thread, dual
+
+_READ_WAIT_S = 0.5  # one read call waits this long for output before asking for the exit
+TIMED_OUT = -1  # Modal's exit code of an exec whose timeout ran out
+
+
+class StreamType(enum.Enum):
+    """Modal's choice for an exec's stdout/stderr: ``PIPE`` (read it) or ``DEVNULL``."""
+
+    PIPE = "pipe"
+    DEVNULL = "devnull"
+    STDOUT = "stdout"
+
+
+class Process:
+    """A process spawned through ``handle``; its exec ``timeout`` kills it (exit code -1)
+    whether or not anyone waits, as long as this client lives."""
+
+    def __init__(self, handle: SandboxHandle, command: list[str], *, cwd: str | None,
+                 env: dict[str, str] | None, timeout: float | None) -> None:
+        self._handle = handle
+        self._key, self.pid = ray.get(handle.spawn.remote(command, cwd=cwd, env=env))
+        self._lock = threading.Lock()
+        self._result: ExecResult | None = None
+        self._stdout_tail = b""  # stdout that arrived with the exit
+        self._timed_out = False
+        self._timer: threading.Timer | None = None
+        if timeout is not None:
+            self._timer = threading.Timer(timeout, self._time_out)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _op(self, op: str, *args: Any) -> Any:
+        return ray.get(self._handle.process.remote(self._key, op, *args))
+
+    def _time_out(self) -> None:
+        self._timed_out = True
+        try:
+            self._op("kill", 9)
+        except (SandboxError, RayError):
+            pass  # it exited (or its sandbox went) meanwhile: nothing left to kill
+
+    def _finished(self, result: ExecResult | None) -> ExecResult | None:
+        if result is None:
+            return None
+        with self._lock:
+            if self._result is None:
+                self._result, self._stdout_tail = result, result.stdout_bytes
+                if self._timer is not None:
+                    self._timer.cancel()
+                self._op("close")  # the host forgets it
+            return self._result
+
+    @property
+    def returncode(self) -> int | None:
+        if self._result is None:
+            return None
+        return TIMED_OUT if self._timed_out else self._result.exit_code
+
+    def poll(self) -> int | None:
+        if self._result is None:
+            self._finished(self._op("wait", 0))
+        return self.returncode
+
+    def wait(self) -> int:
+        while self._result is None:
+            self._finished(self._op("wait", 5.0))
+        return self.returncode  # type: ignore[return-value]
+
+    def stdout_chunks(self) -> Iterator[bytes]:
+        """stdout as it arrives, until the process exits."""
+        while self._result is None:
+            data = self._op("read", _READ_WAIT_S)
+            if data:
+                yield data
+            else:
+                self._finished(self._op("wait", 0))
+        with self._lock:
+            tail, self._stdout_tail = self._stdout_tail, b""
+        if tail:
+            yield tail
+
+    def stderr_chunks(self) -> Iterator[bytes]:
+        """stderr, once the process exited (the host's process calls read stdout only)."""
+        self.wait()
+        assert self._result is not None
+        if self._result.stderr_bytes:
+            yield self._result.stderr_bytes
+
+    def write(self, data: bytes) -> None:
+        self._op("write_stdin", data)
+
+    def close_stdin(self) -> None:
+        self._op("close_stdin")
+
+    def kill(self) -> None:
+        if self._result is None:
+            self._op("kill", 9)
+
+
+class StreamReader:
+    """An exec's stdout or stderr: ``read()`` all of it (waits for the exit), or iterate
+    over it as it comes (chunks; lines with ``bufsize=1``); ``async for`` and
+    ``read.aio()`` too."""
+
+    def __init__(self, chunks: Iterator[bytes], *, text: bool, by_line: bool) -> None:
+        self._chunks = chunks
+        self._text = text
+        self._by_line = by_line
+        self._items: Iterator[Any] | None = None
+
+    def _decoded(self) -> Iterator[Any]:
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        pending: Any = "" if self._text else b""
+        newline = "\n" if self._text else b"\n"
+        for chunk in self._chunks:
+            part = decoder.decode(chunk) if self._text else chunk
+            if not self._by_line:
+                if part:
+                    yield part
+                continue
+            pending += part
+            *lines, pending = pending.split(newline)
+            yield from (line + newline for line in lines)
+        rest = decoder.decode(b"", final=True) if self._text else b""
+        if pending + rest:
+            yield pending + rest
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._items is None:
+            self._items = self._decoded()
+        return self._items
+
+    def __aiter__(self):
+        return aiter_in_thread(self)
+
+    @dual
+    def read(self) -> Any:
+        empty = "" if self._text else b""
+        return empty.join(self)
+
+
+class StreamWriter:
+    """An exec's stdin: ``write`` buffers, ``write_eof`` marks the end, ``drain`` sends."""
+
+    def __init__(self, process: Process) -> None:
+        self._process = process
+        self._buffer = bytearray()
+        self._eof = False
+        self._eof_sent = False
+
+    def write(self, data: bytes | bytearray | memoryview | str) -> None:
+        if self._eof:
+            raise ModalInvalidError("stdin was closed with write_eof()")
+        self._buffer += data.encode() if isinstance(data, str) else bytes(data)
+
+    def write_eof(self) -> None:
+        self._eof = True
+
+    @dual
+    def drain(self) -> None:
+        if self._buffer:
+            data, self._buffer = bytes(self._buffer), bytearray()
+            self._process.write(data)
+        if self._eof and not self._eof_sent:
+            self._eof_sent = True
+            self._process.close_stdin()
+
+
+class ContainerProcess:
+    """What ``Sandbox.exec`` returns: ``stdout``, ``stderr``, ``stdin``, ``wait()``,
+    ``poll()`` and, once waited for, ``returncode`` (-1 if its ``timeout`` ran out)."""
+
+    def __init__(self, process: Process, *, stdout: StreamType, stderr: StreamType,
+                 text: bool, bufsize: int) -> None:
+        for name, kind in (("stdout", stdout), ("stderr", stderr)):
+            if kind is StreamType.STDOUT:
+                raise NotImplementedError(f"exec({name}=StreamType.STDOUT): printing to this "
+                                          "process's stdout is not supported; iterate instead")
+        self._process = process
+        self.stdin = StreamWriter(process)
+        by_line = bufsize == 1
+        self.stdout = StreamReader(process.stdout_chunks() if stdout is StreamType.PIPE
+                                   else iter(()), text=text, by_line=by_line)
+        self.stderr = StreamReader(process.stderr_chunks() if stderr is StreamType.PIPE
+                                   else iter(()), text=text, by_line=by_line)
+
+    @property
+    def returncode(self) -> int:
+        code = self._process.returncode
+        if code is None:
+            raise ModalInvalidError("call wait() before reading returncode (or use poll())")
+        return code
+
+    @dual
+    def wait(self) -> int:
+        return self._process.wait()
+
+    @dual
+    def poll(self) -> int | None:
+        return self._process.poll()
+
+
+_MODES = {"r": (True, False), "rb": (False, False), "w": (True, True), "wb": (False, True),
+          "a": (True, True), "ab": (False, True)}  # mode -> (text, writes)
+
+
+class FileIO:
+    """A file in a sandbox, as ``Sandbox.open`` returns it: a read mode fetches the file at
+    open; writes are buffered and sent at ``flush``/``close``."""
+
+    def __init__(self, handle: SandboxHandle, path: str, mode: str = "r") -> None:
+        if mode not in _MODES:
+            raise NotImplementedError(f"open(mode={mode!r}): only {', '.join(_MODES)}")
+        self._handle, self.path, self.mode = handle, path, mode
+        self._text, self._writes = _MODES[mode]
+        self._data = b""
+        self._pos = 0
+        self._pending = bytearray()
+        self._append = mode.startswith("a")
+        self.closed = False
+        if not self._writes:
+            self._data = ray.get(handle.read_file.remote(path))
+        elif not self._append:
+            ray.get(handle.write_file.remote(path, b""))  # "w" truncates at open
+            self._append = True
+
+    def _check(self, writing: bool) -> None:
+        if self.closed:
+            raise ValueError("I/O operation on closed file")
+        if writing != self._writes:
+            raise ModalInvalidError(f"file opened with mode {self.mode!r}")
+
+    def _out(self, data: bytes) -> Any:
+        return data.decode("utf-8", errors="replace") if self._text else data
+
+    @dual
+    def read(self, n: int | None = None) -> Any:
+        self._check(False)
+        end = len(self._data) if n is None or n < 0 else self._pos + n
+        data, self._pos = self._data[self._pos:end], min(end, len(self._data))
+        return self._out(data)
+
+    @dual
+    def readline(self) -> Any:
+        self._check(False)
+        nl = self._data.find(b"\n", self._pos)
+        end = len(self._data) if nl < 0 else nl + 1
+        data, self._pos = self._data[self._pos:end], end
+        return self._out(data)
+
+    @dual
+    def readlines(self) -> list[Any]:
+        return list(iter(self.readline, self._out(b"")))
+
+    @dual
+    def write(self, data: bytes | str) -> None:
+        self._check(True)
+        if isinstance(data, str) != self._text:
+            raise TypeError(f"write() needs {'str' if self._text else 'bytes'} in mode "
+                            f"{self.mode!r}")
+        self._pending += data.encode() if isinstance(data, str) else data
+
+    @dual
+    def flush(self) -> None:
+        if self._pending:
+            data, self._pending = bytes(self._pending), bytearray()
+            ray.get(self._handle.write_file.remote(self.path, data, append=self._append))
+
+    @dual
+    def close(self) -> None:
+        if not self.closed:
+            if self._writes:
+                self.flush()
+            self.closed = True
+
+    def __enter__(self) -> FileIO:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
