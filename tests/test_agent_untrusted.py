@@ -147,3 +147,30 @@ def test_sigstopped_handlers_make_uploads_time_out(busybox_box):
     assert client.exec(["sh", "-c", "echo $PPID"]).stdout.strip() != handler
     assert not client.exists("/tmp/big")  # a cut upload leaves nothing
     client.close()
+
+
+# The planted server's READ answers one byte every 0.1 s, for ten minutes: within any
+# per-frame deadline, but far below the rate a reply stream must keep.
+TRICKLE_AGENT = FAKE_AGENT.replace(
+    """blob = frame(0x20, b"\\0" * (256 << 10))
+                for _ in range(FLOOD * 4):
+                    c.sendall(blob)""",
+    """for _ in range(6000):
+                    c.sendall(frame(0x20, b"x"))
+                    time.sleep(0.1)""")
+
+
+@pytest.mark.timeout(120)
+def test_a_trickled_reply_stream_times_out(runtime, py_sandbox):
+    assert TRICKLE_AGENT != FAKE_AGENT
+    runtime.write_file(py_sandbox, "/tmp/fake_agent.py", TRICKLE_AGENT)
+    runtime.exec(py_sandbox, "python3 /tmp/fake_agent.py </dev/null >/dev/null 2>&1 &")
+    run = runtime.sandboxes_dir / py_sandbox / "run"
+    wait_for((run / "fake.ready").exists)
+    client = AgentClient(run / "agent.sock", sandbox_id=py_sandbox, io_timeout=2.0)
+    t0 = time.monotonic()
+    with pytest.raises(errors.AgentTimeoutError) as info:
+        client.read_file("/etc/hostname")
+    assert info.value.sandbox_id == py_sandbox
+    assert time.monotonic() - t0 < 30  # a hang guard: 2 s of budget plus what 20 bytes buy
+    client.close()

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from ..errors import (
+    AgentTimeoutError,
     ConfigError,
     ExecError,
     FileTooLargeError,
@@ -69,6 +70,11 @@ _STDIN_INLINE = 64 * 1024  # stdin up to this rides with the request; more goes 
 # in the sandbox can SIGSTOP the agent's handlers (PID 1 is not protected from signals in
 # gVisor): never wait forever.
 IO_TIMEOUT = 60.0
+# A streamed reply (file data, directory entries) must come at this average rate, counted
+# over the time spent waiting for it (not the caller's time between chunks), after io_timeout
+# of grace: each frame buys its length / MIN_RATE more seconds. A frame per io_timeout alone
+# would let a hostile agent trickle one byte a minute and hold a host thread for good.
+MIN_RATE = 64 * 1024
 
 T = TypeVar("T")
 
@@ -100,18 +106,21 @@ class AgentClient:
     """Talks to one sandbox's agent over its unix socket. Thread-safe.
 
     ``io_timeout``: how long a file or control call waits for each frame to be taken or to
-    arrive. ``hung_margin``: how long past its timeout an exec waits for the answer. Either
+    arrive. ``hung_margin``: how long past its timeout an exec waits for the answer.
+    ``min_rate``: the bytes/s a streamed reply must average (:data:`MIN_RATE`). Any of them
     exceeded is an :class:`AgentTimeoutError` and the connection is dropped."""
 
     def __init__(
         self, socket_path: str | Path, *, sandbox_id: str | None = None, pool_size: int = 8,
         io_timeout: float = IO_TIMEOUT, hung_margin: float = HUNG_MARGIN,
+        min_rate: float = MIN_RATE,
     ) -> None:  # fmt: skip
         self.socket_path = Path(socket_path)
         self.sandbox_id = sandbox_id
         self.pool_size = pool_size
         self.io_timeout = self._seconds(io_timeout, "io_timeout")
         self.hung_margin = self._seconds(hung_margin, "hung_margin")
+        self.min_rate = min_rate
         self._idle: list[_Conn] = []
         self._lock = threading.Lock()
         self._unheld = threading.Condition(self._lock)
@@ -440,10 +449,17 @@ class AgentClient:
         ERROR raises. ``take`` decodes and enforces the call's bounds (it may raise)."""
         conn = self._checkout()
         done = False
+        budget = self.io_timeout  # seconds of waiting left
         try:
             conn.send(req, deadline=self._io_deadline())
             while True:
-                ftype, payload = conn.read_reply(self._io_deadline(), data_max)
+                if budget <= 0:
+                    raise AgentTimeoutError(
+                        f"the agent's reply came slower than {MIN_RATE} bytes/s (a hung or "
+                        "hostile agent)", sandbox_id=self.sandbox_id)
+                t0 = time.monotonic()
+                ftype, payload = conn.read_reply(t0 + min(self.io_timeout, budget), data_max)
+                budget += len(payload) / self.min_rate - (time.monotonic() - t0)
                 if ftype == item:
                     yield take(conn, payload)
                 elif ftype == p.Reply.OK:
