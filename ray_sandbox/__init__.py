@@ -28,7 +28,7 @@ _LAZY = {name: "ray_sandbox.runtime" for name in _RUNTIME} | {
         "SandboxHandle", "SandboxPool", "SandboxTemplate", "Snapshot", "RolloutTree",
         "make_template", "Sandbox", "SandboxActorHandle",
     )
-}  # fmt: skip
+} | {"ExecutionResult": "ray_sandbox.runtime.results"}  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:

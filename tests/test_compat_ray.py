@@ -15,6 +15,7 @@ from ray_sandbox import (  # was: from ray.experimental.sandbox import ...
     SandboxCreationError,
     SandboxExecError,
     SandboxNotFoundError,
+    SandboxStatus,
 )
 from ray_sandbox.runtime import SandboxRuntime  # was: ray.experimental.sandbox.runtime
 
@@ -51,6 +52,7 @@ def test_docs_create_a_basic_sandbox_and_run_a_command(ray_cluster):
     # the actor's methods that need what the creator knew
     assert ray.get(sb.get_instance_id.remote()) == "ray-sandbox-" + sb.sandbox_id
     assert ray.get(sb.get_config.remote()).workdir == "/workspace"
+    assert ray.get(sb.get_status.remote()) == SandboxStatus.RUNNING
     ray.get(sb.delete.remote())
     with pytest.raises(SandboxNotFoundError):
         ray.get(sb.exec.remote("true"))

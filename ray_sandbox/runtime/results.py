@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from datetime import datetime
+from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -42,6 +43,9 @@ class ExecResult(BaseModel):
     @property
     def ok(self) -> bool:
         return self.exit_code == 0 and not self.timed_out
+
+
+ExecutionResult = ExecResult  # Ray's other name for it
 
 
 class OutputChunk(BaseModel):
@@ -92,9 +96,18 @@ class SandboxState(enum.StrEnum):
 
 
 class SandboxStatus(BaseModel):
-    """What a sandbox is doing now, read from runsc (not from bookkeeping)."""
+    """What a sandbox is doing now, read from runsc (not from bookkeeping). It compares
+    equal to its state, and carries the states as class attributes, so Ray's
+    ``status == SandboxStatus.RUNNING`` holds (Ray's SandboxStatus is the enum)."""
 
     model_config = ConfigDict(frozen=True)
+
+    PENDING: ClassVar[SandboxState] = SandboxState.PENDING
+    RUNNING: ClassVar[SandboxState] = SandboxState.RUNNING
+    PAUSED: ClassVar[SandboxState] = SandboxState.PAUSED
+    SUSPENDED: ClassVar[SandboxState] = SandboxState.SUSPENDED
+    TERMINATED: ClassVar[SandboxState] = SandboxState.TERMINATED
+    ERROR: ClassVar[SandboxState] = SandboxState.ERROR
 
     sandbox_id: str
     state: SandboxState
@@ -102,3 +115,11 @@ class SandboxStatus(BaseModel):
     created_at: datetime | None = None
     image: str | None = None
     labels: dict[str, str] = Field(default_factory=dict)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, SandboxState):
+            return self.state == other
+        return super().__eq__(other)
+
+    def __hash__(self) -> int:
+        return hash((self.sandbox_id, self.state, self.reason))

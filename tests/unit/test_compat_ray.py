@@ -16,7 +16,7 @@ from ray_sandbox.runtime import errors
 from ray_sandbox.runtime.config import SandboxConfig, boot_key, make_config
 from ray_sandbox.runtime.errors import ConfigError, SandboxNotFoundError
 from ray_sandbox.runtime.records import parse_id, ray_id
-from ray_sandbox.runtime.results import ExecResult
+from ray_sandbox.runtime.results import ExecResult, SandboxState, SandboxStatus
 
 HEX = "ab" * 16
 
@@ -90,8 +90,19 @@ def test_memory_zero_means_no_limit_as_in_ray():
         make_config(memory=False)
 
 
-def test_duration_ms():
+def test_duration_ms_and_ray_names_of_results():
     assert ExecResult(exit_code=0, duration_seconds=0.25).duration_ms == 250.0
+    assert ray_sandbox.ExecutionResult is ExecResult
+
+
+def test_status_compares_equal_to_its_state_as_rays_enum_does():
+    status = SandboxStatus(sandbox_id=HEX, state=SandboxState.RUNNING)
+    assert status == SandboxStatus.RUNNING and status != SandboxStatus.TERMINATED
+    assert status == SandboxStatus(sandbox_id=HEX, state="RUNNING")
+    assert status != SandboxStatus(sandbox_id=HEX, state="PAUSED")
+    assert len({status, SandboxStatus(sandbox_id=HEX, state="RUNNING")}) == 1
+    assert [s.value for s in SandboxState] == [
+        getattr(SandboxStatus, s.value).value for s in SandboxState]
 
 
 # Ray's error names, and which of them catch each of our errors (Ray's tree: SandboxError
