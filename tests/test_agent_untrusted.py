@@ -174,3 +174,32 @@ def test_a_trickled_reply_stream_times_out(runtime, py_sandbox):
     assert info.value.sandbox_id == py_sandbox
     assert time.monotonic() - t0 < 30  # a hang guard: 2 s of budget plus what 20 bytes buy
     client.close()
+
+
+# The planted server drains everything at ~1 MiB/s and answers a WRITE only once its CLOSE
+# came: each 1 MiB frame is taken within the per-frame deadline, but the whole upload is slow.
+DRAIN_AGENT = FAKE_AGENT.replace(
+    "got = c.recv(n - len(buf))",
+    "got = c.recv(min(n - len(buf), 65536))\n        time.sleep(len(got) / (1 << 20))",
+).replace(
+    "elif ftype not in (0x20, 0x21):  # stdin frames need no answer",
+    "elif ftype not in (0x04, 0x20):  # a WRITE is answered at its CLOSE",
+)
+
+
+@pytest.mark.timeout(120)
+def test_a_slowly_drained_upload_times_out(runtime, py_sandbox):
+    assert DRAIN_AGENT.count("65536") == 1 and "0x04, 0x20" in DRAIN_AGENT
+    runtime.write_file(py_sandbox, "/tmp/fake_agent.py", DRAIN_AGENT)
+    runtime.exec(py_sandbox, "python3 /tmp/fake_agent.py </dev/null >/dev/null 2>&1 &")
+    run = runtime.sandboxes_dir / py_sandbox / "run"
+    wait_for((run / "fake.ready").exists)
+    # 4 MiB/s asked, ~1 MiB/s given: the budget runs out after a few frames
+    client = AgentClient(run / "agent.sock", sandbox_id=py_sandbox, io_timeout=2.0,
+                         min_rate=4 * MiB)
+    t0 = time.monotonic()
+    with pytest.raises(errors.AgentTimeoutError) as info:
+        client.write_file("/tmp/big", bytes(32 * MiB))
+    assert info.value.sandbox_id == py_sandbox
+    assert time.monotonic() - t0 < 20  # the whole upload would take ~32 s
+    client.close()

@@ -70,10 +70,11 @@ _STDIN_INLINE = 64 * 1024  # stdin up to this rides with the request; more goes 
 # in the sandbox can SIGSTOP the agent's handlers (PID 1 is not protected from signals in
 # gVisor): never wait forever.
 IO_TIMEOUT = 60.0
-# A streamed reply (file data, directory entries) must come at this average rate, counted
-# over the time spent waiting for it (not the caller's time between chunks), after io_timeout
-# of grace: each frame buys its length / MIN_RATE more seconds. A frame per io_timeout alone
-# would let a hostile agent trickle one byte a minute and hold a host thread for good.
+# A streamed transfer (file data either way, directory entries) must move at this average
+# rate, counted over the time spent waiting for the agent (not the caller's time between
+# chunks), after io_timeout of grace: each frame buys its length / MIN_RATE more seconds. A
+# deadline per frame alone let a hostile agent trickle a byte a minute, or drain an upload
+# that slowly, and hold a host thread for good.
 MIN_RATE = 64 * 1024
 
 T = TypeVar("T")
@@ -100,6 +101,29 @@ def _to_info(entry: p.Entry, path: bytes) -> FileInfo:
         mtime=entry.mtime_ns / 1e9,
         link_target=os.fsdecode(entry.link) if entry.link is not None else None,
     )
+
+
+class _Budget:
+    """The waiting time a streamed transfer may still spend on the agent: ``io_timeout`` of
+    grace, plus ``len / min_rate`` seconds per frame moved (:data:`MIN_RATE`)."""
+
+    def __init__(self, client: AgentClient) -> None:
+        self._client = client
+        self._left = client.io_timeout
+        self._t0 = 0.0
+
+    def deadline(self) -> float:
+        """The deadline of the next frame; AgentTimeoutError once the budget is spent."""
+        if self._left <= 0:
+            raise AgentTimeoutError(
+                f"the agent moved data slower than {self._client.min_rate:g} bytes/s (a hung "
+                "or hostile agent)", sandbox_id=self._client.sandbox_id)
+        self._t0 = time.monotonic()
+        return self._t0 + min(self._client.io_timeout, self._left)
+
+    def spent(self, nbytes: int) -> None:
+        """A frame of ``nbytes`` moved since :meth:`deadline`."""
+        self._left += nbytes / self._client.min_rate - (time.monotonic() - self._t0)
 
 
 class AgentClient:
@@ -449,17 +473,12 @@ class AgentClient:
         ERROR raises. ``take`` decodes and enforces the call's bounds (it may raise)."""
         conn = self._checkout()
         done = False
-        budget = self.io_timeout  # seconds of waiting left
+        budget = _Budget(self)
         try:
             conn.send(req, deadline=self._io_deadline())
             while True:
-                if budget <= 0:
-                    raise AgentTimeoutError(
-                        f"the agent's reply came slower than {MIN_RATE} bytes/s (a hung or "
-                        "hostile agent)", sandbox_id=self.sandbox_id)
-                t0 = time.monotonic()
-                ftype, payload = conn.read_reply(t0 + min(self.io_timeout, budget), data_max)
-                budget += len(payload) / self.min_rate - (time.monotonic() - t0)
+                ftype, payload = conn.read_reply(budget.deadline(), data_max)
+                budget.spent(len(payload))
                 if ftype == item:
                     yield take(conn, payload)
                 elif ftype == p.Reply.OK:
@@ -550,7 +569,8 @@ class AgentClient:
     ) -> None:
         """Writes a file. Unless appending, data goes to a temp file renamed over ``path``
         at the end, so readers never see half a file; ``mode`` applies to the new file.
-        Each chunk must be taken by the agent within ``io_timeout``."""
+        Each chunk must be taken by the agent within ``io_timeout``, and all of them at
+        ``min_rate`` on average."""
         fields: list[p.Field] = [
             (p.Tag.PATH, _sandbox_path(path, self.sandbox_id)),
             (p.Tag.MODE, self._mode(mode)),
@@ -560,12 +580,14 @@ class AgentClient:
         chunks = upload_chunks(data, self.sandbox_id)
         conn = self._checkout()
         done = False
+        budget = _Budget(self)
         try:
             conn.send(p.request(p.Op.WRITE, fields), deadline=self._io_deadline())
-            for chunk in chunks:
+            for chunk in chunks:  # the caller's time to make a chunk is not the agent's
                 if conn.has_input():  # an early error: stop uploading
                     break
-                conn.send_frame(p.Stream.DATA, chunk, self._io_deadline())
+                conn.send_frame(p.Stream.DATA, chunk, budget.deadline())
+                budget.spent(len(chunk))
             conn.send(p.CLOSE_FRAME, deadline=self._io_deadline())
             ftype, payload = conn.read_reply(self._io_deadline())
             done = ftype in (p.Reply.OK, p.Reply.ERROR)
