@@ -6,6 +6,9 @@ Modal's exit codes, from_id, list and tags, and the ``.aio`` forms."""
 from __future__ import annotations
 
 import asyncio
+import socket
+import time
+import urllib.request
 
 import pytest
 
@@ -13,6 +16,7 @@ import ray_sandbox.modal as modal  # was: import modal
 
 PY = modal.Image.from_registry("ray-sandbox/python")  # was: python:3.12 / debian_slim()
 BUSYBOX = modal.Image.from_registry("ray-sandbox/busybox")
+NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 @pytest.fixture(scope="module")
@@ -139,11 +143,37 @@ def test_aio(app):
     assert asyncio.run(main()) == (["a\n", "b\n"], 0, True)
 
 
+def test_unencrypted_port_through_a_node_local_tunnel(app, sb):
+    with socket.socket() as s:  # a port free on this node now
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    web = modal.Sandbox.create("sh", "-c", f"echo hello > /tmp/index.html; "
+                               f"exec httpd -f -p {port} -h /tmp", app=app, image=BUSYBOX,
+                               unencrypted_ports=[port])
+    try:
+        tunnel = web.tunnels()[port]
+        assert tunnel.tcp_socket == ("127.0.0.1", port)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with NO_PROXY.open(f"{tunnel.url}/index.html", timeout=5) as r:
+                    assert r.read() == b"hello\n"
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        assert modal.Sandbox.from_id(web.object_id).tunnels() == {port: tunnel}
+    finally:
+        web.terminate()
+    assert sb.tunnels() == {}
+
+
 def test_unsupported_features_raise_naming_them(sb):
     with pytest.raises(NotImplementedError, match="idle_timeout"):
         modal.Sandbox.create(image=BUSYBOX, idle_timeout=10)
-    with pytest.raises(NotImplementedError, match="tunnels"):
-        sb.tunnels()
+    with pytest.raises(NotImplementedError, match="encrypted_ports"):
+        modal.Sandbox.create(image=BUSYBOX, encrypted_ports=[443])
     with pytest.raises(NotImplementedError, match="snapshot_filesystem"):
         sb.snapshot_filesystem()
     with pytest.raises(NotImplementedError, match="pty"):

@@ -7,6 +7,7 @@ from . import exception
 from .app import App, Image, Secret
 from .io import ContainerProcess, FileIO, StreamReader, StreamType, StreamWriter
 from .sandbox import Sandbox
+from .tunnel import Tunnel
 
 __all__ = ["App", "ContainerProcess", "FileIO", "Image", "Sandbox", "Secret", "StreamReader",
-           "StreamType", "StreamWriter", "exception"]
+           "StreamType", "StreamWriter", "Tunnel", "exception"]

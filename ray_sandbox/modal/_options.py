@@ -10,6 +10,7 @@ from ..runtime.config import EgressPolicy
 from ..runtime.errors import ModalInvalidError
 
 APP_LABEL = "modal.app"  # the App a sandbox was created for: Sandbox.list(app_id=) filters it
+PORTS_LABEL = "modal.ports"  # its published ports, for tunnels() on any handle of it
 DEFAULT_IMAGE = "ray-sandbox/python"  # Modal's default image is a Debian with Python
 
 # Modal's create() arguments that need what this backend does not have (docs/compat.md):
@@ -20,8 +21,8 @@ UNSUPPORTED = {
     "cloud": "cloud (placement is Ray's)", "region": "region (placement is Ray's)",
     "volumes": "volumes", "network_file_systems": "network_file_systems",
     "pty": "pty on create", "pty_info": "pty_info",
-    "encrypted_ports": "tunnels (encrypted_ports)", "h2_ports": "tunnels (h2_ports)",
-    "unencrypted_ports": "tunnels (unencrypted_ports)", "custom_domain": "custom_domain",
+    "encrypted_ports": "TLS tunnels (encrypted_ports; unencrypted_ports work node-locally)",
+    "h2_ports": "TLS tunnels (h2_ports)", "custom_domain": "custom_domain",
     "proxy": "proxy", "inbound_cidr_allowlist": "inbound_cidr_allowlist",
     "readiness_probe": "readiness_probe",
     "include_oidc_identity_token": "include_oidc_identity_token",
@@ -51,7 +52,8 @@ def create_options(
     env: Mapping[str, str | None] | None, secrets_env: Sequence[Mapping[str, str]],
     timeout: float | None, workdir: str | None, cpu: Any, memory: Any,
     block_network: bool, cidr_allowlist: Sequence[str] | None,
-    outbound_domain_allowlist: Sequence[str] | None, others: Mapping[str, Any],
+    outbound_domain_allowlist: Sequence[str] | None, unencrypted_ports: Sequence[int] = (),
+    others: Mapping[str, Any],
 ) -> dict[str, Any]:
     """:func:`ray_sandbox.create` keyword arguments for Modal's ``Sandbox.create``."""
     for key in others:
@@ -68,7 +70,9 @@ def create_options(
     out: dict[str, Any] = {
         "image": image or DEFAULT_IMAGE,
         "env": merged,
-        "labels": {**(tags or {}), **({APP_LABEL: app} if app else {})},
+        "labels": {**(tags or {}), **({APP_LABEL: app} if app else {}),
+                   **({PORTS_LABEL: ",".join(map(str, unencrypted_ports))}
+                      if unencrypted_ports else {})},
         # Modal's sandboxes reach the internet unless blocked: ours through network
         # "public" (private and metadata addresses stay denied, docs/network.md)
         "network": "none" if block_network else "public",
@@ -78,6 +82,8 @@ def create_options(
         out["egress"] = EgressPolicy(allow_cidrs=tuple(cidr_allowlist or ()),
                                      allow_domains=tuple(outbound_domain_allowlist or ()),
                                      default="deny")
+    if unencrypted_ports:
+        out["expose_ports"] = tuple(unencrypted_ports)  # on the sandbox's node (tunnels())
     if name is not None:
         out["name"] = name
     if workdir is not None:

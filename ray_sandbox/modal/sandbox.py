@@ -25,9 +25,10 @@ from ..runtime.errors import (
 from ..runtime.records import parse_id
 from ..runtime.results import SandboxState
 from ._aio import aiter_in_thread, dual, static
-from ._options import APP_LABEL, create_options, refuse
+from ._options import APP_LABEL, PORTS_LABEL, create_options, refuse
 from .app import App, Image, Secret
 from .io import ContainerProcess, FileIO, Process, StreamReader, StreamType, StreamWriter
+from .tunnel import Tunnel, node_address
 
 TIMEOUT_EXIT = 124  # Modal's return code of a sandbox whose timeout ran out
 TERMINATED_EXIT = 137  # ... and of one that was terminated
@@ -69,8 +70,8 @@ class Sandbox:
         env: Mapping[str, str | None] | None = None, secrets: Sequence[Secret] | None = None,
         timeout: float = 300, workdir: str | None = None, cpu: Any = None, memory: Any = None,
         block_network: bool = False, cidr_allowlist: Sequence[str] | None = None,
-        outbound_domain_allowlist: Sequence[str] | None = None, verbose: bool = False,
-        **others: Any,
+        outbound_domain_allowlist: Sequence[str] | None = None,
+        unencrypted_ports: Sequence[int] = (), verbose: bool = False, **others: Any,
     ) -> Sandbox:
         """Create a sandbox; with ``args`` it runs that command and ends when it exits."""
         handle = actor.create(**create_options(
@@ -78,7 +79,8 @@ class Sandbox:
             name=name, tags=tags, env=env, secrets_env=[s.env for s in secrets or ()],
             timeout=timeout, workdir=workdir, cpu=cpu, memory=memory,
             block_network=block_network, cidr_allowlist=cidr_allowlist,
-            outbound_domain_allowlist=outbound_domain_allowlist, others=others))
+            outbound_domain_allowlist=outbound_domain_allowlist,
+            unencrypted_ports=unencrypted_ports, others=others))
         entrypoint = None
         if args:
             try:
@@ -247,18 +249,25 @@ class Sandbox:
 
     # --- tags and what is not here ---------------------------------------------------------
 
+    def _labels(self) -> dict[str, str]:
+        return ray.get(self._handle.status.remote()).labels
+
     @dual
     def get_tags(self) -> dict[str, str]:
-        labels = ray.get(self._handle.status.remote()).labels
-        return {k: v for k, v in labels.items() if k != APP_LABEL and "/" not in k}
+        """The ``tags=`` it was created with."""
+        return {k: v for k, v in self._labels().items()
+                if k not in (APP_LABEL, PORTS_LABEL) and "/" not in k}
+
+    @dual
+    def tunnels(self, timeout: int = 50) -> dict[int, Tunnel]:  # noqa: ARG002 - no wait
+        """Its ``unencrypted_ports``, published on its node (docs/compat.md, "tunnels")."""
+        ports = self._labels().get(PORTS_LABEL)
+        host = node_address(self._handle.node_id)
+        return {p: Tunnel(host, p) for p in map(int, ports.split(","))} if ports else {}
 
     def set_tags(self, tags: Mapping[str, str], **options: Any) -> None:
         raise NotImplementedError("Sandbox.set_tags: tags are fixed at create here "
                                   "(Sandbox.create(tags=...)); docs/compat.md")
-
-    def tunnels(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError("Sandbox.tunnels: published ports are not exposed through "
-                                  "the Modal facade yet (docs/compat.md)")
 
     def snapshot_filesystem(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError("Sandbox.snapshot_filesystem: not supported yet; "

@@ -41,6 +41,16 @@ def test_options_map_onto_config_fields():
     assert (cfg.memory, cfg.cpu, cfg.network) == (256 * 2**20, 2.0, "public")
 
 
+def test_unencrypted_ports_are_published_on_the_node():
+    out = _options(unencrypted_ports=[8080, 9000])
+    assert out["expose_ports"] == (8080, 9000) and out["network"] == "public"
+    assert out["labels"] == {"modal.ports": "8080,9000"}
+    assert modal.Tunnel("127.0.0.1", 8080).tcp_socket == ("127.0.0.1", 8080)
+    assert modal.Tunnel("10.0.0.2", 80).url == "http://10.0.0.2:80"
+    with pytest.raises(NotImplementedError, match="TLS"):
+        _ = modal.Tunnel("h", 1).tls_socket
+
+
 def test_network_options():
     assert _options(block_network=True)["network"] == "none"
     out = _options(cidr_allowlist=["10.1.0.0/16"], outbound_domain_allowlist=["pypi.org"])
