@@ -259,6 +259,16 @@ def _no_process(c: httpx.Client, sid: str, needle: str) -> bool:
     return False
 
 
+def _host_processes(sid: str) -> list:
+    """What the sandbox's host still holds as spawned processes (for a failure message)."""
+    import ray
+
+    import ray_sandbox
+
+    (handle,) = [h for h in ray_sandbox.list() if h.name == sid]
+    return ray.get(handle.processes.remote(), timeout=60)
+
+
 def test_streamed_output_arrives_before_the_command_exits(service: Service):
     with service.client() as c, service.client() as other:
         sid = create(c)
@@ -321,7 +331,7 @@ def test_a_streamed_exec_is_signalled_cancelled_and_killed_with_its_caller(servi
             lines = _ndjson(r)
             next(lines)
             assert next(lines)["data"] == "ready\n"
-        assert _no_process(c, sid, "sleep 987")
+        assert _no_process(c, sid, "sleep 987"), _host_processes(sid)
         assert c.delete(f"/sandboxes/{sid}").status_code == 200
 
 
