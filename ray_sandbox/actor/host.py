@@ -53,6 +53,7 @@ NAME_LABEL = "ray-sandbox/name"
 SUSPENDED_LABEL = "ray-sandbox/suspended"  # snapshot label: id of the sandbox it suspends
 _WATCH_INTERVAL = 1.0
 _BOOT_PARALLEL = 16  # sandboxes booting at once on one host; more only queue in the kernel
+_REFILL_QUIET_S = 0.1  # the stock refills once creates paused this long (first commands run)
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,7 @@ class SandboxHost:
         self._procs: dict[str, AgentProcess] = {}
         self._imports = SnapshotImports(self._rt, self.node_id)
         self._inflight = 0
+        self._last_create = 0.0  # when the last create ended (monotonic)
         self._closing = False
         self._retiring = False
         self._idle_since = time.monotonic()
@@ -122,11 +124,13 @@ class SandboxHost:
         return self._stock.stats()
 
     def _creates_in_flight(self) -> bool:
-        """Callers' creates, hand-outs from the stock included: a refill boot (~160 ms of
-        CPU) started during a burst of hand-outs delayed each of them (bursts of 8, p50
-        128 ms on 2 cores)."""
+        """Callers' creates, hand-outs from the stock included, or one ended less than
+        ``_REFILL_QUIET_S`` ago: a refill boot (~160 ms of CPU) started during a burst of
+        hand-outs, or right after it, delayed them and the first commands their callers send
+        (bursts of 8, p50 128 ms on 2 cores)."""
         with self._lock:
-            return self._inflight > 0
+            return (self._inflight > 0
+                    or time.monotonic() - self._last_create < _REFILL_QUIET_S)
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -264,6 +268,7 @@ class SandboxHost:
         finally:
             with self._lock:
                 self._inflight -= 1
+                self._last_create = time.monotonic()
                 self._idle.notify_all()
 
     def delete(self, sandbox_id: str) -> None:

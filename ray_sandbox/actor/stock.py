@@ -14,7 +14,8 @@ the stock must not keep other Ray work off the node.
   create that finds no free slot evicts stocked sandboxes of its shape (:meth:`evict`).
 - Refills boot at most ``_REFILLS`` sandboxes at a time and start only while no caller's
   create (boot or hand-out) is in flight on the host, so the stock does not compete with
-  the creates callers wait for.
+  the creates callers wait for, nor with their first commands (it waits until creates
+  paused for 0.1 s).
 - A taken sandbox leaves the stock for good: a sandbox anybody used is never handed out.
 - Stocked sandboxes die with their host, at once and however it dies: a keeper process
   (``runtime.keeper``) waits for the host's process to exit and deletes them. The host's
