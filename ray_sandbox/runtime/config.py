@@ -145,6 +145,27 @@ class EgressPolicy(BaseModel):
         return tuple(out)
 
 
+VOLUME_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
+
+
+class VolumeMount(BaseModel):
+    """A named volume (``runtime/volumes.py``) mounted into a sandbox. In ``volumes=`` a
+    plain ``"name"`` or ``"name:ro"`` is accepted for it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    readonly: bool = False
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not VOLUME_NAME_RE.match(v):
+            raise ValueError(f"volume name {v!r}: 1-63 of a-z 0-9 _ . -, starting with a "
+                             "letter or digit")
+        return v
+
+
 class SandboxConfig(BaseModel):
     """Everything that describes one sandbox. Immutable; build variants with ``model_copy``."""
 
@@ -168,6 +189,11 @@ class SandboxConfig(BaseModel):
     )
     env: dict[str, str] = Field(default_factory=dict)
     workdir: str | None = None
+    volumes: dict[str, VolumeMount] = Field(
+        default_factory=dict,
+        description="absolute path in the sandbox -> a named volume that exists on the node "
+        "('name', 'name:ro' or {name, readonly}); its data outlives the sandbox",
+    )
     shell: str | None = Field(
         None, description="the shell a string command runs through (``shell -c``); None = "
         "/bin/sh (Ray's sandboxes default to /bin/bash, which busybox images lack)"
@@ -261,6 +287,36 @@ class SandboxConfig(BaseModel):
         if norm == "/" or norm in system or norm.startswith(tuple(d + "/" for d in system)):
             raise ValueError(f"workdir {v!r} cannot be a system directory")
         return norm
+
+    @field_validator("volumes", mode="before")
+    @classmethod
+    def _volume_shorthand(cls, v: Any) -> Any:
+        if not isinstance(v, Mapping):
+            return v
+        out = {}
+        for path, vol in v.items():
+            if isinstance(vol, str):
+                name, _, mode = vol.partition(":")
+                if mode not in ("", "ro", "rw"):
+                    raise ValueError(f"volume {vol!r}: the mode after ':' is 'ro' or 'rw'")
+                vol = {"name": name, "readonly": mode == "ro"}
+            out[path] = vol
+        return out
+
+    @field_validator("volumes")
+    @classmethod
+    def _volume_paths(cls, v: dict[str, VolumeMount]) -> dict[str, VolumeMount]:
+        out: dict[str, VolumeMount] = {}
+        for path, vol in v.items():
+            norm = cls._workdir(path)
+            if norm in out:
+                raise ValueError(f"two volumes at {norm}")
+            out[norm] = vol
+        paths = sorted(out)
+        for a, b in zip(paths, paths[1:], strict=False):
+            if b.startswith(a + "/"):
+                raise ValueError(f"volume at {b} is inside the one at {a}")
+        return out
 
     @field_validator("capabilities", mode="before")
     @classmethod
@@ -376,9 +432,9 @@ PERSONAL_FIELDS = frozenset({"env", "labels", "ttl_seconds", "timeout_seconds", 
 def boot_key(cfg: SandboxConfig) -> str | None:
     """What a sandbox booted for ``cfg`` shares with every other config of the same key, so
     that one booted ahead of time can serve it; None if none can (a spec transform is code,
-    a read-only sandbox's workdir is a bind made at boot)."""
-    if cfg.spec_transform is not None or (cfg.readonly and cfg.workdir):
-        return None
+    a read-only sandbox's workdir is a bind made at boot, so are volumes)."""
+    if cfg.spec_transform is not None or (cfg.readonly and cfg.workdir) or cfg.volumes:
+        return None  # a volume is mounted at boot, and a read-write one is held while mounted
     boot = cfg.model_dump(mode="json", exclude=set(PERSONAL_FIELDS))
     return json.dumps(boot, sort_keys=True, separators=(",", ":"))
 
