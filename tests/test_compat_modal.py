@@ -26,7 +26,7 @@ def app(ray_cluster):
 
 @pytest.fixture(scope="module")
 def sb(app):
-    sb = modal.Sandbox.create(app=app, image=PY, tags={"suite": "compat"})
+    sb = modal.Sandbox.create(app=app, image=PY, tags={"suite": "compat"}, name="compat-sb")
     yield sb
     sb.terminate()
 
@@ -106,6 +106,9 @@ def test_from_id_list_and_tags(sb, app):
         == [sb.object_id]
     assert modal.Sandbox.list(tags={"suite": "other"}) == []
     assert sb.get_tags() == {"suite": "compat"}
+    assert modal.Sandbox.from_name("my-app", "compat-sb").object_id == sb.object_id
+    with pytest.raises(modal.exception.NotFoundError):
+        modal.Sandbox.from_name("my-app", "no-such-sandbox")
     assert sb.poll() is None and sb.returncode is None
 
 
@@ -136,6 +139,11 @@ def test_aio(app):
         p = await sb.exec.aio("sh", "-c", "echo a; echo b", bufsize=1)
         lines = [line async for line in p.stdout]
         code = await p.wait.aio()
+        f = await sb.open.aio("/tmp/f", "w")
+        await f.write.aio("x")
+        await f.close.aio()
+        p = await sb.exec.aio("cat", "/tmp/f")
+        assert await p.stdout.read.aio() == "x"
         listed = [s.object_id async for s in modal.Sandbox.list.aio(app_id=app.app_id)]
         await sb.terminate.aio()
         return lines, code, sb.object_id in listed
