@@ -16,7 +16,7 @@ from fastapi.responses import StreamingResponse
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from . import _archives, _errors, _ports, _pty
+from . import _archives, _errors, _ports
 from ._config import ServiceConfig
 from ._models import (
     Copies,
@@ -325,7 +325,7 @@ def build_app(config: ServiceConfig) -> Any:
             await ws.accept()
             await ws.close(code=4000 + exc.status_code, reason=str(exc.detail)[:120])
             return
-        await _pty.session(ws, entry.handle, sandboxes.call, command, rows, cols)
+        await sandboxes.terminal(ws, entry, command, rows, cols)
 
     @app.put(f"{PREFIX}/sandboxes/{{sandbox_id}}/files", status_code=204,
              openapi_extra={"requestBody": {"content": {"application/octet-stream": {}}}})

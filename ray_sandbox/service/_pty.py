@@ -5,13 +5,15 @@ Client → service: binary frames are keystrokes (stdin); text frames are JSON c
 ``{"resize": [rows, cols]}``, ``{"signal": N}``, ``{"eof": true}``. Service → client: binary
 frames of output as it arrives, then one text frame ``{"type": "exit", "exit_code",
 "signal"}`` (or ``{"type": "error", "code", "message"}``) and the close. The process is
-closed (its tree killed) however the socket ends.
+closed (its tree killed) however the socket ends, and at the latest after the longest exec
+timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import anyio
@@ -26,13 +28,15 @@ MAX_FRAME = 64 * 1024  # keystrokes or a paste; more in one frame is refused
 
 
 async def session(ws: WebSocket, handle: Any, call: Call, command: str, rows: int,
-                  cols: int) -> None:
+                  cols: int, lifetime: float) -> None:
+    """Run one terminal; after ``lifetime`` seconds it is killed like a timed-out exec."""
     key, _pid = await call(handle.spawn.remote(command, pty=(rows, cols)))
     proc = handle.process
     await ws.accept()
     inbound = asyncio.ensure_future(_inbound(ws, proc, call, key))
+    deadline = time.monotonic() + lifetime
     try:
-        while True:
+        while time.monotonic() < deadline:
             data = await call(proc.remote(key, "read", READ_WAIT))
             if data:
                 await ws.send_bytes(data)

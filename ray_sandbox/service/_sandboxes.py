@@ -27,7 +27,7 @@ from .. import actor
 from ..runtime.config import SandboxConfig
 from ..runtime.errors import SandboxError, SandboxNotFoundError
 from ..runtime.results import ExecResult, SandboxState
-from . import _errors, _streams
+from . import _errors, _pty, _streams
 from ._config import ServiceConfig
 from ._models import ExecInfo, SandboxInfo
 from ._quota import Charge, charge, over_quota
@@ -372,13 +372,27 @@ class Sandboxes:
             await asyncio.wait([ex.future], timeout=min(wait, self._config.max_wait_seconds))
         return exec_info(ex)
 
+    def _take_stream(self) -> None:
+        """One of the ``max_streams`` streamed execs and terminals; 429 when none is left."""
+        if self._streaming >= self._config.max_streams:
+            raise _errors.refusal(429, f"{self._streaming} streamed execs and terminals are "
+                                       "running, the service's limit; try again later")
+        self._streaming += 1
+
+    async def terminal(self, ws: Any, entry: Entry, command: str, rows: int,
+                       cols: int) -> None:
+        """An interactive terminal on the WebSocket ``ws`` (``_pty``), counted as a stream."""
+        self._take_stream()
+        try:
+            await _pty.session(ws, entry.handle, self.call, command, rows, cols,
+                               self._config.max_exec_timeout)
+        finally:
+            self._streaming -= 1
+
     async def stream_exec(self, entry: Entry, command: list[str] | str, *,
                           timeout: float | None, **kw: Any) -> AsyncIterator[bytes]:
         """Start a streamed exec; returns its NDJSON lines (``_streams``)."""
-        if self._streaming >= self._config.max_streams:
-            raise _errors.refusal(429, f"{self._streaming} streamed execs are running, the "
-                                       "service's limit; try again later")
-        self._streaming += 1
+        self._take_stream()
         try:
             stream = await _streams.start(entry.handle, self.call, command, **kw)
         except BaseException:
