@@ -26,7 +26,7 @@ _LAZY = {name: "ray_sandbox.runtime" for name in _RUNTIME} | {
         "create", "create_from_template", "create_many", "get", "list", "shutdown",
         "fork", "restore", "resume", "delete_snapshot", "branching_rollout",
         "SandboxHandle", "SandboxPool", "SandboxTemplate", "Snapshot", "RolloutTree",
-        "make_template", "Sandbox", "SandboxActorHandle",
+        "make_template", "Sandbox",
     )
 } | {"ExecutionResult": "ray_sandbox.runtime.results"}  # fmt: skip
 

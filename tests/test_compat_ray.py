@@ -124,3 +124,16 @@ def test_runtime_takes_a_positional_image_and_types_failures_as_ray_does(runtime
         runtime.create("oci:/nonexistent/layout:tag")
     with pytest.raises(sandbox.ConfigError, match="image given twice"):
         runtime.create(BUSYBOX, image=BUSYBOX)
+
+
+def test_a_handle_found_by_name_answers_ray_actor_methods_too(ray_cluster):
+    ray = ray_cluster
+    made = sandbox.create(image=BUSYBOX, name="compat-found", workdir="/w",
+                          labels={"team": "a"})
+    try:
+        found = sandbox.get("compat-found")
+        assert ray.get(found.get_instance_id.remote()) == "ray-sandbox-" + made.sandbox_id
+        config = ray.get(found.get_config.remote())
+        assert config.workdir == "/w" and config.labels == {"team": "a"}  # ours taken out
+    finally:
+        ray.get(made.terminate.remote())

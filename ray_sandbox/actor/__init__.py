@@ -15,7 +15,6 @@ from .api import (
 )
 from .handle import SandboxHandle
 from .pool import SandboxPool
-from .ray_handle import SandboxActorHandle
 from .rollout import RolloutTree, branching_rollout
 from .sandbox_class import Sandbox
 from .template import SandboxTemplate, make_template
@@ -23,7 +22,6 @@ from .template import SandboxTemplate, make_template
 __all__ = [
     "RolloutTree",
     "Sandbox",
-    "SandboxActorHandle",
     "SandboxHandle",
     "SandboxPool",
     "SandboxTemplate",

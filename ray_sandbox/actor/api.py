@@ -20,7 +20,6 @@ from .handle import SandboxHandle
 from .host import NAME_LABEL, NAMESPACE
 from .hosts import all_hosts, ask_hosts, forget_hosts
 from .placement import Placement
-from .ray_handle import SandboxActorHandle
 from .routing import router
 from .template import SandboxTemplate, make_template
 
@@ -53,8 +52,7 @@ def create(
     for; then CapacityError naming what is missing) and the autoscaler all see it. By default
     the sandbox dies with the job that created it; ``lifetime="detached"`` lets it outlive the
     driver. ``name`` makes it findable with :func:`get`; with ``get_if_exists`` an existing one
-    of that name is returned. The handle also answers Ray's ``get_instance_id`` and
-    ``get_config`` (:class:`SandboxActorHandle`; one found by name is a plain handle).
+    of that name is returned.
     """
     _check_lifetime(lifetime)
     if name and get_if_exists:
@@ -62,10 +60,8 @@ def create(
             return get(name, namespace=namespace)
         except SandboxNotFoundError:
             pass
-    t = _template(image, config, template, options)
-    handle = create_from_template(t, name=name, namespace=namespace, lifetime=lifetime,
-                                  timeout=timeout)
-    return SandboxActorHandle.of(handle, t.config)
+    return create_from_template(_template(image, config, template, options), name=name,
+                                namespace=namespace, lifetime=lifetime, timeout=timeout)
 
 
 def _check_lifetime(lifetime: str | None) -> None:

@@ -14,6 +14,9 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+import ray
+
+from ..runtime.records import ray_id
 from . import copies, transfer
 
 
@@ -52,6 +55,20 @@ class SandboxHandle:
 
     def __hash__(self) -> int:
         return hash(self.sandbox_id)
+
+    # --- Ray's sandbox actor: two more names ----------------------------------------------
+
+    @property
+    def get_instance_id(self) -> _Method:
+        """``.remote()`` -> ObjectRef of Ray's form of the id, ``ray-sandbox-<32 hex>``
+        (docs/compat.md, "Ids")."""
+        return _Method(lambda: ray.put(ray_id(self.sandbox_id)))
+
+    @property
+    def get_config(self) -> _Method:
+        """``.remote()`` -> ObjectRef of the :class:`SandboxConfig` the sandbox runs with
+        (its caller's labels only)."""
+        return _Method(lambda: self._host.config.remote(self.sandbox_id))
 
     # --- exec ------------------------------------------------------------------------------
 

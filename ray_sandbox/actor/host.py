@@ -450,6 +450,12 @@ class SandboxHost:
                 continue
         return out
 
+    def config(self, sandbox_id: str) -> SandboxConfig:
+        """The sandbox's config as its caller gave it: our own labels taken out."""
+        cfg = self._rt.record(sandbox_id).sandbox_config
+        return cfg.model_copy(update={"labels": {k: v for k, v in cfg.labels.items()
+                                                 if not k.startswith("ray-sandbox/")}})
+
     def set_egress(self, sandbox_id: str, policy: Any) -> None:
         self._rt.set_egress(sandbox_id, policy)
 

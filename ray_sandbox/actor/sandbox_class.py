@@ -78,8 +78,7 @@ class SandboxClass:
         return SandboxClass({**self._actor_options, **actor_options})
 
     def remote(self, image: str | None = None, **kwargs: Any) -> SandboxHandle:
-        """Create the sandbox; ``kwargs`` are :func:`create`'s (SandboxConfig fields). The
-        handle is a :class:`SandboxActorHandle` (one found by ``get_if_exists`` is not)."""
+        """Create the sandbox; ``kwargs`` are :func:`create`'s (SandboxConfig fields)."""
         return create(image, **create_options(self._actor_options, kwargs))
 
 

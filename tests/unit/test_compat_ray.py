@@ -4,13 +4,10 @@ forms, Ray's error names over our tree, ``shell`` and ``memory=0`` in the config
 
 from __future__ import annotations
 
-import pickle
-
 import pytest
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 import ray_sandbox
-from ray_sandbox.actor.ray_handle import SandboxActorHandle
 from ray_sandbox.actor.sandbox_class import create_options
 from ray_sandbox.runtime import errors
 from ray_sandbox.runtime.config import SandboxConfig, boot_key, make_config
@@ -64,14 +61,6 @@ def test_ids_in_both_forms():
     for bad in ("ray-sandbox-xyz", "ray-sb-" + HEX, HEX[:12], None, 7):
         with pytest.raises(SandboxNotFoundError):
             parse_id(bad)
-
-
-def test_actor_handle_keeps_its_class_and_config_through_pickling():
-    cfg = SandboxConfig(image="ray-sandbox/busybox")
-    h = SandboxActorHandle(HEX, None, config=cfg, name="n", node_id="x")
-    back = pickle.loads(pickle.dumps(h))
-    assert type(back) is SandboxActorHandle and back == h
-    assert (back.config, back.name, back.node_id) == (cfg, "n", "x")
 
 
 def test_shell_is_a_config_field_that_does_not_change_the_boot():
