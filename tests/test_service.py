@@ -106,7 +106,7 @@ def test_quota_answers_429_and_frees_on_delete(service: Service):
         assert "CPU" in msg
         error(bob.post("/sandboxes", json={"image": BUSYBOX, "memory": "2Gi"}), 429,
               "quota_exceeded")
-        first = create(bob)
+        first = create(bob)  # pending, and counted
         msg = error(bob.post("/sandboxes", json={"image": BUSYBOX, "cpu": 0.25,
                                                  "memory": "128Mi"}), 429, "quota_exceeded")
         assert "at most 1 sandboxes" in msg

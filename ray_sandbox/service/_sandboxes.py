@@ -201,8 +201,9 @@ class Sandboxes:
             raise _errors.refusal(429, reason)
 
     def _charges(self, tenant: str) -> list[Charge]:
-        return [e.charge for e in self._entries.values()
-                if e.tenant == tenant and not e.deleted and e.error is None]
+        # one deleted while still being made holds its resources until it is made and ended
+        return [e.charge for e in self._entries.values() if e.tenant == tenant
+                and e.error is None and (not e.deleted or e.handle is None)]
 
     async def _forget_gone(self, tenant: str) -> None:
         live = {h.name or h.sandbox_id
@@ -225,7 +226,10 @@ class Sandboxes:
             return
         entry.handle = handle
         if entry.deleted:  # deleted while it was being made
-            await self._terminate(entry)
+            try:
+                await self._terminate(entry)
+            except Exception as exc:  # nobody awaits this task: say it, the TTL or gc ends it
+                log.warning("deleting %s after its create failed: %s", entry.api_id, exc)
 
     def _create_blocking(self, api_id: str, options: dict[str, Any]) -> Any:
         # Detached: the service, not the job that happened to start its replica, owns it.
@@ -271,11 +275,13 @@ class Sandboxes:
         for ex in entry.execs.values():
             ex.future.cancel()
         # streamed execs end with their sandbox: their next read fails and closes them
-        if entry.handle is not None:
+        if entry.creating is not None and not entry.creating.done():
+            # _create terminates it once made; waiting (bounded) lets the caller see it gone
+            await asyncio.wait([entry.creating], timeout=self._config.max_wait_seconds)
+        elif entry.handle is not None:
             await self._terminate(entry)
         elif entry.error is not None:
             self._entries.pop(entry.api_id, None)
-        # else: still being created; _create terminates it when it is made
 
     async def _terminate(self, entry: Entry) -> None:
         try:
