@@ -229,7 +229,7 @@ class Sandboxes:
             try:
                 await self._terminate(entry)
             except Exception as exc:  # nobody awaits this task: say it, the TTL or gc ends it
-                log.warning("deleting %s after its create failed: %s", entry.api_id, exc)
+                log.warning("ending %s, deleted while being made, failed: %s", entry.api_id, exc)
 
     def _create_blocking(self, api_id: str, options: dict[str, Any]) -> Any:
         # Detached: the service, not the job that happened to start its replica, owns it.
