@@ -1,21 +1,25 @@
-"""The per-sandbox root: a kernel overlayfs over the shared, read-only image rootfs.
+"""Every host mount the runtime makes, and the mount table it reads.
 
-runsc's gofer creates missing mount points (``/.rsb/run``, a workdir, a mount added by a
+The per-sandbox root is a kernel overlayfs over the shared, read-only image rootfs: runsc's
+gofer creates missing mount points (``/.rsb/run``, a workdir, a mount added by a
 spec_transform) in the *host* directory it is given as the root. Giving it a per-sandbox
 overlay whose upper layer is private means those land in the sandbox's own directory and the
-shared image is never written. mount(2)/umount2(2) are called directly: one syscall each.
+shared image is never written. Volumes are bound into a sandbox's directory (read-only binds
+are read-only on the host). mount(2)/umount2(2) are called directly: one syscall each.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import SandboxCreationError
 
 _MNT_DETACH = 2
-_MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 2, 4, 8
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
+_MS_REMOUNT, _MS_BIND = 32, 4096
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
 _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
@@ -43,7 +47,7 @@ def mount_tmpfs(target: Path, *, size: str, mode: str = "0755") -> None:
 
 
 def mount_block(device: str, target: Path, fstype: str, data: str = "", *,
-                sandbox_id: str) -> None:
+                sandbox_id: str | None) -> None:
     """Mount a block device (e.g. a loop device) on ``target``; nosuid/nodev because the host
     should never honour a device node or setuid bit the sandbox wrote there."""
     if _libc.mount(os.fsencode(device), os.fsencode(target), fstype.encode(),
@@ -55,6 +59,24 @@ def mount_block(device: str, target: Path, fstype: str, data: str = "", *,
         )
 
 
+def bind(source: Path, target: Path, *, readonly: bool, sandbox_id: str) -> None:
+    """Bind ``source`` (a mount point, never a path inside a sandbox's files) on ``target``.
+    A read-only bind is read-only in the host kernel, so nothing the sandbox does (a remount
+    inside gVisor, links, renames) can write through it; nosuid/nodev stay as on the source
+    (a remount must repeat them, else it would clear them)."""
+    target.mkdir(exist_ok=True)
+    steps = [(os.fsencode(source), _MS_BIND)]
+    if readonly:
+        steps.append((None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV))
+    for src, flags in steps:
+        if _libc.mount(src, os.fsencode(target), None, flags, None) != 0:
+            err = ctypes.get_errno()
+            unmount(target)
+            raise SandboxCreationError(
+                f"binding {source} on {target} failed: {os.strerror(err)}", sandbox_id=sandbox_id,
+            )
+
+
 def unmount(target: Path) -> bool:
     """Lazily unmount ``target``; False if it was not mounted."""
     if _libc.umount2(os.fsencode(target), _MNT_DETACH) == 0:
@@ -62,13 +84,27 @@ def unmount(target: Path) -> bool:
     return False
 
 
-def mounts_under(prefix: Path) -> list[Path]:
-    """Mount points below ``prefix`` (from /proc/self/mountinfo), deepest first."""
+@dataclass(frozen=True)
+class MountEntry:
+    """One line of /proc/self/mountinfo: where, which device (``major:minor``), read-only."""
+
+    point: Path
+    device: str
+    readonly: bool
+
+
+def mount_table() -> list[MountEntry]:
     out = []
-    pre = str(prefix).rstrip("/") + "/"
     with open("/proc/self/mountinfo") as f:
         for line in f:
-            point = line.split()[4].encode().decode("unicode_escape")
-            if point.startswith(pre):
-                out.append(Path(point))
+            fields = line.split()
+            point = fields[4].encode().decode("unicode_escape")
+            out.append(MountEntry(Path(point), fields[2], "ro" in fields[5].split(",")))
+    return out
+
+
+def mounts_under(prefix: Path) -> list[Path]:
+    """Mount points below ``prefix`` (from /proc/self/mountinfo), deepest first."""
+    pre = str(prefix).rstrip("/") + "/"
+    out = [m.point for m in mount_table() if str(m.point).startswith(pre)]
     return sorted(out, key=lambda p: len(p.parts), reverse=True)

@@ -14,6 +14,8 @@
     overlay/           runsc's filestore for the private copy-on-write root (readonly=False)
     disk.img, disk/    with disk=: a sparse ext4 image of that size, loop-mounted on disk/;
                        work/ and overlay/ then live in disk/ (runtime/disk.py)
+    volumes/<i>        with volumes=: a bind of each named volume, bound in at its path
+                       (read-only ones read-only on the host; runtime/volumes.py)
     runsc.out/.err     stdio of the detached sandbox
 
 Deleting the directory deletes the sandbox's files; nothing of a sandbox lives elsewhere except
@@ -114,6 +116,15 @@ class SandboxDir:
     @property
     def disk(self) -> Path:
         return self.path / "disk"
+
+    @property
+    def volumes(self) -> Path:
+        return self.path / "volumes"
+
+    def volume_binds(self, config: SandboxConfig) -> list[tuple[str, str, bool, Path]]:
+        """``(path in the sandbox, volume name, readonly, host bind)`` of each volume."""
+        return [(path, vol.name, vol.readonly, self.volumes / str(i))
+                for i, (path, vol) in enumerate(config.volumes.items())]
 
     @property
     def _storage(self) -> Path:
@@ -254,6 +265,9 @@ def build_spec(
             Mount(destination=config.workdir, type="bind", source=str(sdir.work),
                   options=["rbind", "rw"])
         )  # fmt: skip
+    for path, _, readonly, source in sdir.volume_binds(config):
+        mounts.append(Mount(destination=path, type="bind", source=str(source),
+                            options=["rbind", "ro" if readonly else "rw"]))
 
     resources = Resources()
     if config.memory is not None:

@@ -59,16 +59,20 @@ def unavailable() -> str | None:
     return None
 
 
-def mkfs_ext4(image: Path, *, sandbox_id: str) -> None:
-    # No journal: the data dies with the sandbox, so crash consistency buys nothing, and the
-    # default journal costs host disk (32 MiB per GiB). No reserved blocks: the gofer writes as
-    # root and would use them anyway. lazy_itable_init (with the noinit_itable mount option):
-    # nobody writes the inode tables, which in a sparse image already read as zeros.
-    _proc.run(
-        ["mkfs.ext4", "-q", "-F", "-O", "^has_journal", "-m", "0",
-         "-E", "lazy_itable_init=1", str(image)],
-        timeout=_MKFS_TIMEOUT, sandbox_id=sandbox_id, what="mkfs.ext4",
-    )  # fmt: skip
+def mkfs_ext4(image: Path, *, sandbox_id: str | None, journal: bool = False) -> None:
+    """Format ``image`` (a new sparse file) as ext4.
+
+    A sandbox's disk has no journal: the data dies with the sandbox, so crash consistency buys
+    nothing, and the default journal costs host disk (32 MiB per GiB). A volume's outlives
+    everything and stays mounted while sandboxes use it, so it keeps the journal (a crash of
+    the node then costs a replay at the next mount, not an fsck); lazy_journal_init leaves it
+    unwritten, as it reads zeros in a new sparse file. No reserved blocks: the gofer writes as
+    root and would use them anyway. lazy_itable_init (with the noinit_itable mount option):
+    nobody writes the inode tables, which in a sparse image already read as zeros."""
+    features = ["-E", "lazy_itable_init=1,lazy_journal_init=1"] if journal else \
+        ["-O", "^has_journal", "-E", "lazy_itable_init=1"]
+    _proc.run(["mkfs.ext4", "-q", "-F", "-m", "0", *features, str(image)],
+              timeout=_MKFS_TIMEOUT, sandbox_id=sandbox_id, what="mkfs.ext4")
 
 
 def template(templates: Path, size: int, *, sandbox_id: str) -> Path:
@@ -115,7 +119,7 @@ def _copy_sparse(src: Path, dst_fd: int) -> None:
         os.close(fd)
 
 
-def _bind_loop(image_fd: int, name: str, *, sandbox_id: str) -> tuple[int, int]:
+def _bind_loop(image_fd: int, name: str, *, sandbox_id: str | None) -> tuple[int, int]:
     """A loop device bound to ``image_fd`` with autoclear: (its open fd, its number)."""
     config = _LOOP_CONFIG.pack(image_fd, 0, 0, 0, 0, 0, 0, 0, 0, 0, _LO_FLAGS_AUTOCLEAR,
                                os.fsencode(name)[:63], b"", b"", 0, 0, *[0] * 8)
@@ -157,14 +161,42 @@ def attach(image: Path, mountpoint: Path, size: int, *, templates: Path, sandbox
         except OSError as exc:
             raise SandboxCreationError(f"a {size}-byte disk image cannot be made here: {exc}",
                                        sandbox_id=sandbox_id) from None
+    finally:
+        os.close(fd)
+    mountpoint.mkdir()
+    mount_image(image, mountpoint, sandbox_id=sandbox_id)
+
+
+def mount_image(image: Path, mountpoint: Path, *, sandbox_id: str | None) -> None:
+    """Mount the ext4 ``image`` on the existing directory ``mountpoint`` through a loop
+    device that lives exactly as long as the mount (autoclear)."""
+    try:
+        fd = os.open(image, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise SandboxCreationError(f"opening the disk image failed: {exc}",
+                                   sandbox_id=sandbox_id) from None
+    try:
         loop, number = _bind_loop(fd, str(image), sandbox_id=sandbox_id)
     finally:
         os.close(fd)
     try:
-        mountpoint.mkdir()
         # noinit_itable: see mkfs_ext4; the kernel's lazyinit thread would otherwise zero
         # every inode table, un-sparsing the image.
         _mount.mount_block(f"/dev/loop{number}", mountpoint, "ext4",
                            "noinit_itable", sandbox_id=sandbox_id)
     finally:
         os.close(loop)  # the mount holds the device now; if it failed, autoclear frees it
+
+
+def loops_backed_by(image: Path) -> list[str]:
+    """The loop devices (``loopN``) bound to ``image``: while one exists, some mount of it
+    lives, in this mount namespace or another (a sandbox's gofer still holding it)."""
+    out = []
+    for backing in Path("/sys/block").glob("loop*/loop/backing_file"):
+        try:
+            path = backing.read_text().strip()
+        except OSError:
+            continue  # released while we looked
+        if path == str(image):
+            out.append(backing.parent.parent.name)
+    return out

@@ -1,5 +1,5 @@
 """Bringing a sandbox up and taking it down: the pipeline that create and restore share
-(image pin, root overlay, disk, network, bundle, record, runsc, agent ready) and its exact
+(image pin, root overlay, disk, volumes, network, bundle, record, runsc, agent ready) and its exact
 inverse. Everything a launch made is undone by :meth:`Launcher.destroy`, which also cleans
 up after a launch that stopped half-way. :meth:`Launcher.delete` is the same in two phases:
 the sandbox stops at once, the rest is torn down in the background (:class:`Teardowns`)."""
@@ -26,6 +26,7 @@ from .bundle import SandboxDir
 from .config import SandboxConfig
 from .connections import Connections
 from .errors import (
+    ConfigError,
     ImageNotFoundError,
     SandboxCreationError,
     SandboxError,
@@ -36,6 +37,7 @@ from .records import ID_RE, Records, SandboxRecord, owner_fields
 from .runsc import Runsc
 from .snapshot import Snapshot, SnapshotDir, copy_tree, rewrite_paths
 from .spec import Spec, apply_transform
+from .volumes import VolumeStore
 
 _log = logging.getLogger(__name__)
 READY_TIMEOUT = 20.0
@@ -185,8 +187,9 @@ class Launcher:
     """Starts sandboxes from images or snapshots, and destroys them, for one home."""
 
     def __init__(self, home: Path, records: Records, connections: Connections, runsc: Runsc,
-                 images: ImageStore) -> None:
+                 images: ImageStore, volumes: VolumeStore) -> None:
         self._records = records
+        self.volumes = volumes
         self._connections = connections
         self.runsc = runsc
         self.images = images
@@ -297,8 +300,8 @@ class Launcher:
     def _prepare(self, sandbox_id: str, sdir: SandboxDir, cfg: SandboxConfig, image: Image,
                  upper: Path | None = None) -> tuple[network.NetworkAttachment, str]:
         """Root overlay (upper layer copied from ``upper`` if given), the size-capped disk,
-        network, gVisor overlay dir; returns the network attachment and the ``--overlay2``
-        value."""
+        the volumes' binds, network, gVisor overlay dir; returns the network attachment and
+        the ``--overlay2`` value."""
         if upper is not None:
             copy_tree(upper, sdir.upper)
         _mount.mount_overlay(Path(image.rootfs), sdir.upper, sdir.ovwork, sdir.root,
@@ -308,6 +311,12 @@ class Launcher:
         if cfg.disk is not None and (not cfg.readonly or cfg.workdir):
             disk.attach(sdir.disk_image, sdir.disk, cfg.disk, templates=self._disks,
                         sandbox_id=sandbox_id)
+        if cfg.volumes:
+            if cfg.effective_rootless:
+                raise ConfigError("volumes need rootful mode (loop-mounted filesystems; as "
+                                  "root)", sandbox_id=sandbox_id)
+            self.volumes.attach(sandbox_id, [(name, ro, bind) for _, name, ro, bind
+                                             in sdir.volume_binds(cfg)])
         attachment = network.attach(sandbox_id, cfg, sdir.path)
         overlay = "none"
         if not cfg.readonly:
@@ -426,8 +435,11 @@ class Launcher:
                 cg.rmdir()
         for leftover in self.runsc.root.glob(f"*{sandbox_id}*"):
             leftover.unlink(missing_ok=True)
+        had_volumes = sdir.volumes.is_dir()
         for point in _mount.mounts_under(sdir.path):
             _mount.unmount(point)
+        if had_volumes:  # after its binds are gone: a volume no sandbox uses is unmounted
+            self.volumes.release_idle()
         sdir.remove()
         self._records.unbury(sandbox_id)
         if errors:

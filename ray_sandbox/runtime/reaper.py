@@ -1,6 +1,6 @@
 """Ending what should not run any more: sandboxes past their TTL, and everything dead
 owners left behind (sandboxes whose creator died, runsc containers and processes without a
-record, network state, snapshots, image pins)."""
+record, network state, snapshots, image pins, mounts of volumes no sandbox uses)."""
 
 from __future__ import annotations
 
@@ -81,6 +81,7 @@ def gc(records: Records, launcher: Launcher, snapshots: SnapshotStore) -> list[s
     network.gc(live, records.dir)
     removed += snapshots.gc()
     launcher.unpin_stale(live)
+    launcher.volumes.release_idle()  # e.g. a creator that died between mount and bind
     return sorted(set(removed))
 
 

@@ -2,7 +2,8 @@
 
 A facade of short verbs over the concept modules: ``launch`` (create/restore/destroy),
 ``records`` (what the node knows), ``exec_request`` (what a command asks for), ``files``,
-``checkpoint`` and ``snapshot`` (``runtime.snapshots``), ``reaper`` (TTL and gc) and
+``checkpoint`` and ``snapshot`` (``runtime.snapshots``), ``volumes`` (``runtime.volumes``),
+``reaper`` (TTL and gc) and
 ``connections`` (agent clients). It has ~50 methods and ~650 lines because it is the stable
 public surface (tests/unit/public_api.json): each verb is a typed signature, a docstring and
 a few lines over those modules, and splitting it would split the API users call. The longest
@@ -60,6 +61,7 @@ from .records import Records, SandboxRecord, check_id, owner_fields
 from .results import ExecResult, FileInfo, OutputChunk, SandboxState, SandboxStatus
 from .runsc import Runsc
 from .snapshot import Snapshot, SnapshotDir, SnapshotStore, copy_tree
+from .volumes import VolumeStore
 
 T = TypeVar("T")
 _RESTORE_PARALLEL = 8  # concurrent restores; two cores saturate well before this
@@ -123,11 +125,12 @@ class SandboxRuntime:
         self.snapshots_dir = self.home / "snapshots"
         self.records = Records(self.sandboxes_dir)
         self.snapshots = SnapshotStore(self.snapshots_dir)
+        self.volumes = VolumeStore(self.home / "volumes", self.sandboxes_dir)
         self.images = images or ImageStore(paths.images(self.home))
         self.runsc = Runsc(self.home / "runsc")
         self.runsc.root.mkdir(parents=True, exist_ok=True)
         self._launcher = Launcher(self.home, self.records, self._connections, self.runsc,
-                                  self.images)
+                                  self.images, self.volumes)
         self._ttl = reaper.TtlTimer(self._expire)
         _subreaper.ensure()
         if reap:

@@ -1,0 +1,280 @@
+"""Named volumes (``runtime.volumes``): size-capped filesystems that outlive sandboxes.
+
+``<home>/volumes/<name>/`` holds ``volume.json`` (:class:`VolumeRecord`), ``volume.img`` (a
+sparse ext4 image of exactly ``size`` bytes, journaled: ``disk.mkfs_ext4``) and ``mnt/``.
+While any sandbox uses a volume, its image is loop-mounted on ``mnt/`` once, and each sandbox
+gets a bind of ``mnt/`` in its own directory (``sandboxes/<id>/volumes/<i>``) that the OCI
+spec binds in; a read-only use is a read-only bind in the host kernel.
+
+Nothing is counted in memory or in files: who uses a volume is read from the mount table
+(a bind under the sandboxes directory whose loop device is backed by the volume's image), so
+a process that dies leaves nothing a count could get wrong. A sandbox's teardown unmounts its
+binds (everything under its directory), then :meth:`VolumeStore.release_idle` unmounts every
+volume left without binds; ``gc()`` does the same after dead owners. Every change to the
+mounts happens under one store-wide lock file. Host code never looks inside a volume's files.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import socket
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from . import _mount, disk
+from .config import VOLUME_NAME_RE, VolumeMount, parse_size
+from .errors import ConfigError, SandboxCreationError, SandboxNotFoundError, SandboxStateError
+
+MIN_SIZE = 16 << 20  # below this mke2fs makes no journal, and ext4's metadata dominates
+# A sandbox killed a moment ago may still hold the filesystem in its processes' mount
+# namespace (its loop device lives until they are reaped): how long a mount waits for that.
+_LOOP_GONE_WAIT_S = 5.0
+
+
+class VolumeRecord(BaseModel):
+    """``volume.json``: what a volume is, written once at create."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    name: str
+    size: int
+    node: str
+    created_at: float
+
+
+class VolumeUse(BaseModel):
+    """One sandbox's mount of a volume."""
+
+    sandbox_id: str
+    readonly: bool
+
+
+class VolumeInfo(VolumeRecord):
+    """A volume as ``inspect``/``list`` show it: ``used`` is the bytes its image takes on the
+    node's disk (at most ``size``), ``mounts`` the sandboxes that have it mounted now."""
+
+    used: int
+    mounts: list[VolumeUse]
+
+
+class VolumeStore:
+    """The volumes of one home. Thread- and process-safe."""
+
+    def __init__(self, root: Path, sandboxes: Path, *, node: str | None = None) -> None:
+        self.root = root
+        self._sandboxes = sandboxes
+        self.node = node or socket.gethostname()
+
+    # --- the public verbs ------------------------------------------------------------------
+
+    def create(self, name: str, size: int | str) -> VolumeInfo:
+        """A new, empty volume of ``size`` bytes (``"1Gi"``, ``"512Mi"`` or bytes)."""
+        _check_name(name)
+        try:
+            nbytes = parse_size(size)
+        except ValueError as exc:
+            raise ConfigError(f"volume {name!r}: {exc}") from None
+        if nbytes < MIN_SIZE:
+            raise ConfigError(f"volume {name!r}: size must be at least {MIN_SIZE >> 20}Mi")
+        reason = disk.unavailable()
+        if reason:
+            raise SandboxCreationError(f"volumes cannot be made here: {reason}")
+        with self._locked():
+            if self._dir(name).exists():
+                raise ConfigError(f"volume {name!r} already exists on this node")
+            # Built aside and renamed into place: a crash leaves a dot-dir gc removes.
+            tmp = self.root / f".new-{name}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            try:
+                tmp.mkdir()
+                with open(tmp / "volume.img", "xb") as f:
+                    f.truncate(nbytes)
+                disk.mkfs_ext4(tmp / "volume.img", sandbox_id=None, journal=True)
+                (tmp / "mnt").mkdir()
+                rec = VolumeRecord(name=name, size=nbytes, node=self.node,
+                                   created_at=time.time())
+                (tmp / "volume.json").write_text(rec.model_dump_json())
+                os.rename(tmp, self._dir(name))
+            except OSError as exc:
+                raise SandboxCreationError(f"volume {name!r} cannot be made in {self.root}: "
+                                           f"{exc}") from None
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        return self.inspect(name)
+
+    def list(self) -> list[VolumeInfo]:
+        table = self._table()
+        names = sorted(p.name for p in self.root.glob("*") if VOLUME_NAME_RE.match(p.name))
+        return [info for n in names if (info := self._info(n, table)) is not None]
+
+    def inspect(self, name: str) -> VolumeInfo:
+        info = self._info(name, self._table())
+        if info is None:
+            raise SandboxNotFoundError(f"no volume {name!r} on this node")
+        return info
+
+    def delete(self, name: str) -> None:
+        """Remove the volume and its data; refused while a sandbox has it mounted."""
+        self.inspect(name)
+        with self._locked():
+            users = self._users(name, self._table())
+            if users:
+                raise SandboxStateError(
+                    f"volume {name!r} is mounted by sandbox(es) "
+                    f"{', '.join(u.sandbox_id for u in users)}: delete them first",
+                    sandbox_id=users[0].sandbox_id,
+                )
+            _mount.unmount(self._dir(name) / "mnt")
+            # the image is removed either way; a loop still bound to it ends with its mount
+            shutil.rmtree(self._dir(name), ignore_errors=True)
+
+    # --- what the launcher and gc use ------------------------------------------------------
+
+    def attach(self, sandbox_id: str, binds: Sequence[tuple[str, bool, Path]]) -> None:
+        """Bind each ``(volume name, readonly, target)`` for a starting sandbox, mounting the
+        volume first if no sandbox uses it. A read-write volume is mounted by one sandbox at
+        a time, and never beside read-only users (their view would go stale)."""
+        if not binds:
+            return
+        with self._locked():
+            table = self._table()
+            wanted: dict[str, bool] = {}
+            for name, readonly, _ in binds:
+                if self._record(name) is None:
+                    raise ConfigError(f"volume {name!r} does not exist on this node "
+                                      f"({self.node})", sandbox_id=sandbox_id)
+                if name in wanted and not (readonly and wanted[name]):
+                    raise ConfigError(f"volume {name!r} is mounted twice, once read-write",
+                                      sandbox_id=sandbox_id)
+                wanted[name] = readonly
+            # Made before any mount: the sandbox's teardown releases volumes only if it exists.
+            binds[0][2].parent.mkdir(exist_ok=True)
+            for name, readonly in wanted.items():
+                users = self._users(name, table)
+                if users and not (readonly and all(u.readonly for u in users)):
+                    u = users[0]
+                    raise SandboxStateError(
+                        f"volume {name!r} is mounted {'read-only' if u.readonly else 'read-write'}"
+                        f" by sandbox {u.sandbox_id}: a read-write volume is mounted by one "
+                        "sandbox at a time (a fork or copy of a sandbox with a read-write "
+                        "volume needs its source gone first, or the volume read-only)",
+                        sandbox_id=sandbox_id,
+                    )
+                self._ensure_mounted(name, table, sandbox_id)
+            for name, readonly, target in binds:
+                _mount.bind(self._dir(name) / "mnt", target, readonly=readonly,
+                            sandbox_id=sandbox_id)
+
+    def release_idle(self) -> list[str]:
+        """Unmount every volume no sandbox has bound any more; returns their names."""
+        released = []
+        with self._locked():
+            table = self._table()
+            for name in sorted(table.mounted):
+                if not self._users(name, table):
+                    _mount.unmount(self._dir(name) / "mnt")
+                    released.append(name)
+            for tmp in self.root.glob(".new-*"):  # a create that died half-way
+                shutil.rmtree(tmp, ignore_errors=True)
+        return released
+
+    # --- inside ----------------------------------------------------------------------------
+
+    def _dir(self, name: str) -> Path:
+        return self.root / name
+
+    def _record(self, name: str) -> VolumeRecord | None:
+        try:
+            return VolumeRecord.model_validate_json((self._dir(name) / "volume.json").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def _info(self, name: str, table: _Table) -> VolumeInfo | None:
+        rec = self._record(name)
+        if rec is None:
+            return None
+        try:
+            used = os.stat(self._dir(name) / "volume.img").st_blocks * 512
+        except OSError:
+            return None  # deleted while we looked
+        return VolumeInfo(**rec.model_dump(), used=used, mounts=self._users(name, table))
+
+    def _table(self) -> _Table:
+        return _Table(self.root, self._sandboxes)
+
+    def _users(self, name: str, table: _Table) -> list[VolumeUse]:
+        return table.users.get(name, [])
+
+    def _ensure_mounted(self, name: str, table: _Table, sandbox_id: str) -> None:
+        if name in table.mounted:
+            return
+        image = self._dir(name) / "volume.img"
+        # Two loop devices on one image would be two ext4 instances writing one disk: wait
+        # for a dying sandbox's namespace to let go of the old one, else refuse.
+        deadline = time.monotonic() + _LOOP_GONE_WAIT_S
+        while held := disk.loops_backed_by(image):
+            if time.monotonic() > deadline:
+                raise SandboxStateError(
+                    f"volume {name!r} is still held by /dev/{held[0]} outside this runtime "
+                    "(a sandbox still dying, or a mount made by hand)", sandbox_id=sandbox_id,
+                )
+            time.sleep(0.05)
+        mnt = self._dir(name) / "mnt"
+        disk.mount_image(image, mnt, sandbox_id=sandbox_id)
+        # Never bind a bare mnt/ dir: the sandbox would write to the node's disk, uncapped.
+        if os.stat(mnt).st_dev == os.stat(mnt.parent).st_dev:
+            raise SandboxCreationError(f"volume {name!r} did not mount on {mnt}",
+                                       sandbox_id=sandbox_id)
+        table.mounted.add(name)
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # per open file: excludes threads and processes
+            yield
+        finally:
+            os.close(fd)
+
+
+class _Table:
+    """The volumes' mounts as the kernel has them: which are mounted on their ``mnt/``,
+    and which sandboxes bind them (by the loop device's backing file)."""
+
+    def __init__(self, root: Path, sandboxes: Path) -> None:
+        self.mounted: set[str] = set()
+        self.users: dict[str, list[VolumeUse]] = {}
+        backing: dict[str, str | None] = {}
+        for m in _mount.mount_table():
+            if m.point.parent.parent == root and m.point.name == "mnt":
+                self.mounted.add(m.point.parent.name)
+                continue
+            if not (m.point.parent.name == "volumes" and m.point.parent.parent.parent == sandboxes):
+                continue
+            if m.device not in backing:
+                backing[m.device] = _backing_file(m.device)
+            image = backing[m.device]
+            if image is not None and Path(image).parent.parent == root:
+                self.users.setdefault(Path(image).parent.name, []).append(
+                    VolumeUse(sandbox_id=m.point.parent.parent.name, readonly=m.readonly))
+
+
+def _backing_file(device: str) -> str | None:
+    try:
+        return Path(f"/sys/dev/block/{device}/loop/backing_file").read_text().strip()
+    except OSError:
+        return None
+
+
+def _check_name(name: str) -> None:
+    try:
+        VolumeMount(name=name)  # the one rule for names, config's
+    except ValidationError as exc:
+        raise ConfigError(exc.errors()[0]["msg"]) from None
