@@ -511,3 +511,34 @@ def test_snapshot_restore_and_fork_make_sandboxes_of_the_tenant(service: Service
         assert c.delete(f"/snapshots/{snap}").status_code == 200
         assert c.delete(f"/snapshots/{snap}").status_code == 200  # idempotent
         error(c.post(f"/snapshots/{snap}/restore", json={}), 404)
+
+
+def test_a_restarted_replica_adopts_the_sandboxes_made_before(service: Service):
+    """Last in the module: it kills the replica (Serve starts another)."""
+    import ray
+
+    with service.client() as c, service.client("bob") as bob:
+        sid = create(c, labels={"suite": "adopt"})
+        assert wait_running(c, sid)["status"] == "running"
+        replicas = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                    if a["name"].startswith("SERVE_REPLICA::") and "SandboxService" in a["name"]]
+        assert len(replicas) == 1, replicas
+        ray.kill(ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"]))
+        for _ in range(240):  # the proxy answers 5xx or refuses until the new replica is up
+            try:
+                r = c.get(f"/sandboxes/{sid}")
+                if r.status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        info = r.json()
+        assert (info["status"], info["labels"], info["cpu"]) == ("running", {"suite": "adopt"},
+                                                                 0.25)
+        error(bob.get(f"/sandboxes/{sid}"), 404)  # still alice's alone
+        r = c.post(f"/sandboxes/{sid}/execs", json={"command": "echo adopted"}).json()
+        assert wait_exec(c, sid, r["exec_id"])["stdout"] == "adopted\n"
+        assert [s["sandbox_id"] for s in c.get("/sandboxes", params={
+            "label": "suite=adopt"}).json()["sandboxes"]] == [sid]
+        assert c.delete(f"/sandboxes/{sid}").status_code == 200
+        error(c.get(f"/sandboxes/{sid}"), 404)

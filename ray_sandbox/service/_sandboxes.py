@@ -89,6 +89,7 @@ class Sandboxes:
         self._locks: dict[str, asyncio.Lock] = {}
         self._threads = anyio.CapacityLimiter(config.create_threads)
         self._adopted = False
+        self._adopting = asyncio.Lock()
         self._streaming = 0
         self._snapshots: dict[str, Kept] = {}
 
@@ -98,13 +99,17 @@ class Sandboxes:
     # --- finding ---------------------------------------------------------------------------
 
     async def _adopt(self) -> None:
-        """Once per replica: take over the sandboxes an earlier replica made."""
+        """Once per replica: take over the sandboxes an earlier replica made for the tenants
+        it serves (found by their tenant label)."""
         if self._adopted:
             return
-        handles = await self._blocking(actor.list, {})
-        for h in handles:
-            await self._adopt_one(h)
-        self._adopted = True
+        async with self._adopting:  # the first requests arrive together
+            if self._adopted:
+                return
+            for tenant in self._config.tokens:
+                handles = await self._blocking(actor.list, {TENANT_LABEL: tenant})
+                await asyncio.gather(*(self._adopt_one(h) for h in handles))
+            self._adopted = True
 
     async def _adopt_one(self, handle: Any) -> Entry | None:
         # a copy (fork, restore) has no name: its runtime id is its API id
