@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,19 +49,27 @@ def service(request, ray_cluster, tmp_path_factory) -> Iterator[Service]:
                           **LIMITS)
     url = svc.start(config, "127.0.0.1", free_port())
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the service did not come up in 60 s"
-            time.sleep(0.2)
+        wait_healthy(url)
         yield Service(url, audit)
     finally:
         _delete_service_sandboxes()
         svc.stop()
+
+
+def wait_healthy(url: str, alive: Callable[[], object] = lambda: None,
+                 limit: float = 120) -> None:
+    """Until ``url``/health answers 200 (bounded); ``alive()`` fails the wait early (e.g. a
+    server process that exited)."""
+    deadline = time.monotonic() + limit
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        alive()
+        assert time.monotonic() < deadline, f"the service did not come up in {limit:g} s"
+        time.sleep(0.2)
 
 
 def _delete_service_sandboxes() -> None:

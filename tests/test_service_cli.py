@@ -7,14 +7,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from ray_sandbox.client import SandboxClient
-from tests.fx_service import free_port
+from tests.fx_service import free_port, wait_healthy
 
 CLI = str(Path(sys.executable).parent / "ray-sandbox")
 TOKEN = "cli-token-0123456789"
@@ -40,16 +39,11 @@ def test_serve_runs_the_api_until_interrupted(ray_cluster, tmp_path):
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/api/v1/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
+
+        def alive() -> None:
             assert proc.poll() is None, proc.stderr.read()
-            assert time.monotonic() < deadline, "ray-sandbox serve did not come up"
-            time.sleep(0.5)
+
+        wait_healthy(f"{url}/api/v1", alive)
         c = SandboxClient(url, TOKEN)
         sb = c.create(image="ray-sandbox/busybox", cpu=0.25, memory="64Mi")
         assert sb.exec("echo via-cli").stdout == "via-cli\n"
