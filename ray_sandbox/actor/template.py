@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import ray
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..runtime.config import SandboxConfig, make_config
 from ..runtime.errors import ConfigError
+from .volumes import volume_node
 
 _MIN_CPU_RESERVATION = 0.0001  # Ray's resource granularity
 DEFAULT_DISK = "4Gi"  # a writable root's default cap through Ray (sparse: costs what is used)
@@ -44,7 +46,8 @@ _RAY_FIELDS = ("resources", "label_selector", "node_id")
 def make_template(template: SandboxTemplate | None = None, **kwargs: Any) -> SandboxTemplate:
     """Build a template from another one and/or keyword arguments (config fields and the Ray
     placement fields ``resources``, ``label_selector``, ``node_id``). Without a base template
-    ``readonly`` defaults to False here."""
+    ``readonly`` defaults to False here. A config with volumes and no ``node_id`` is pinned to
+    the node holding them (volumes live on one node; needs Ray connected)."""
     ray_kw = {k: kwargs.pop(k) for k in _RAY_FIELDS if k in kwargs and kwargs[k] is not None}
     if template is None:
         # Agent workloads write anywhere (pip install, mkdir /app): through Ray the default
@@ -56,9 +59,10 @@ def make_template(template: SandboxTemplate | None = None, **kwargs: Any) -> San
             kwargs.setdefault("disk", DEFAULT_DISK)
     base = template or SandboxTemplate()
     config = make_config(base.config, **kwargs) if kwargs else base.config
+    ray_kw = {**base.model_dump(include=set(_RAY_FIELDS)), **ray_kw}
+    if config.volumes and not ray_kw.get("node_id") and ray.is_initialized():
+        ray_kw["node_id"] = volume_node(v.name for v in config.volumes.values())
     try:
-        return SandboxTemplate(
-            config=config, **{**base.model_dump(include=set(_RAY_FIELDS)), **ray_kw}
-        )
+        return SandboxTemplate(config=config, **ray_kw)
     except ValidationError as exc:
         raise ConfigError(f"invalid sandbox template: {exc}") from None

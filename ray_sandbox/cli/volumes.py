@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ..runtime import SandboxRuntime
+from ..runtime import paths
 from ..runtime.errors import SandboxError
 from ..runtime.volumes import VolumeInfo, VolumeStore
 from .images import _errors, _size
@@ -24,7 +24,7 @@ AsJson = Annotated[bool, typer.Option("--json", help="machine-readable output")]
 
 
 def _store() -> VolumeStore:
-    return SandboxRuntime(reap=False).volumes
+    return VolumeStore(paths.home())
 
 
 def _show(volumes: list[VolumeInfo], as_json: bool) -> None:

@@ -125,7 +125,7 @@ class SandboxRuntime:
         self.snapshots_dir = self.home / "snapshots"
         self.records = Records(self.sandboxes_dir)
         self.snapshots = SnapshotStore(self.snapshots_dir)
-        self.volumes = VolumeStore(self.home / "volumes", self.sandboxes_dir)
+        self.volumes = VolumeStore(self.home)
         self.images = images or ImageStore(paths.images(self.home))
         self.runsc = Runsc(self.home / "runsc")
         self.runsc.root.mkdir(parents=True, exist_ok=True)

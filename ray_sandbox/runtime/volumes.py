@@ -66,9 +66,9 @@ class VolumeInfo(VolumeRecord):
 class VolumeStore:
     """The volumes of one home. Thread- and process-safe."""
 
-    def __init__(self, root: Path, sandboxes: Path, *, node: str | None = None) -> None:
-        self.root = root
-        self._sandboxes = sandboxes
+    def __init__(self, home: Path, *, node: str | None = None) -> None:
+        self.root = home / "volumes"
+        self._sandboxes = home / "sandboxes"
         self.node = node or socket.gethostname()
 
     # --- the public verbs ------------------------------------------------------------------
