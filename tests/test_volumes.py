@@ -153,6 +153,43 @@ def test_fork_of_a_read_write_volume_fails_clearly(runtime, volume):
     assert leftovers_after_teardown(runtime.home, {sid}) == {}
 
 
+def test_copies_remount_volumes(runtime, volume):
+    """A snapshot holds no volume data: a copy made once its source is gone (resume) gets
+    the read-write volume as it is now; a second copy meanwhile is refused; read-only
+    volumes go to every copy of a fork, still read-only."""
+    runtime.volumes.create("copies-ro", "16Mi")
+    sid = runtime.create(image=BUSYBOX, memory="64Mi",
+                         volumes={"/ws": volume, "/ro": "copies-ro:ro"})
+    assert runtime.exec(sid, "echo before > /ws/f").exit_code == 0
+    snap = runtime.snapshot(sid)
+    runtime.delete(sid, wait=True)
+    made = []
+    try:
+        made += runtime.restore(snap)
+        assert runtime.exec(made[0], "echo after >> /ws/f").exit_code == 0
+        with pytest.raises(SandboxCreationError, match="one sandbox at a time"):
+            runtime.restore(snap)
+        runtime.delete(made.pop(), wait=True)
+        ro = runtime.create(image=BUSYBOX, memory="64Mi", volumes={"/ro": "copies-ro:ro"})
+        made += [ro, *runtime.fork(ro, 2)]
+        for copy in made:
+            res = runtime.exec(copy, "echo x > /ro/x")
+            assert res.exit_code != 0 and "Read-only" in res.stderr
+    finally:
+        for copy in made:
+            runtime.delete(copy)
+        runtime.delete_snapshot(snap)
+    assert leftovers_after_teardown(runtime.home, set(made)) == {}
+    assert runtime.volumes.inspect(volume).mounts == []
+    runtime.volumes.delete("copies-ro")
+    b = runtime.create(image=BUSYBOX, memory="64Mi", volumes={"/ws": f"{volume}:ro"})
+    try:
+        assert runtime.read_file(b, "/ws/f") == b"before\nafter\n"
+    finally:
+        runtime.delete(b)
+    assert leftovers_after_teardown(runtime.home, {b}) == {}
+
+
 def test_bad_volumes_fail_create_and_leave_nothing(runtime, volume):
     with pytest.raises(SandboxCreationError, match="does not exist"):
         runtime.create(image=BUSYBOX, memory="64Mi", volumes={"/v": "no-such-volume"})
