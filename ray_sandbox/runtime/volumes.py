@@ -67,8 +67,10 @@ class VolumeStore:
     """The volumes of one home. Thread- and process-safe."""
 
     def __init__(self, home: Path, *, node: str | None = None) -> None:
-        self.root = home / "volumes"
-        self._sandboxes = home / "sandboxes"
+        # Resolved, as the kernel names mount points and loop backing files (the volume root
+        # may be a link to a PVC or hostPath, docs/volumes.md).
+        self.root = (home / "volumes").resolve()
+        self._sandboxes = (home / "sandboxes").resolve()
         self.node = node or socket.gethostname()
 
     # --- the public verbs ------------------------------------------------------------------
