@@ -70,7 +70,7 @@ def main() -> None:
         os.environ["RAY_SANDBOX_HOME"] = str(Path(tmp) / "home")
         # fresh boots, comparable with earlier runs: bench_stock measures creates the stock serves
         os.environ["RAY_SANDBOX_STOCK_MAX"] = "0"
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
         try:
             # Warm the node: host actor up, image unpacked.
             # cpu=1: a small CFS quota throttles the sandbox's own boot and every exec

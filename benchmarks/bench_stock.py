@@ -171,7 +171,7 @@ def main() -> None:
         tmp = Path(d)
         os.environ["RAY_SANDBOX_HOME"] = str(tmp / "home")
         os.environ["RAY_SANDBOX_STOCK_MAX"] = STOCK_MAX
-        ray.init(num_cpus=32, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=32, include_dashboard=False, log_to_driver=False)
         try:
             warm = sandbox.create(**OPTS)  # host up, image pinned; the first miss
             ray.get(warm.terminate.remote())

@@ -52,7 +52,7 @@ def ray_cluster(ray_home, ray_metrics_port):
 
     import ray_sandbox
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
              object_store_memory=300 * 2**20, _metrics_export_port=ray_metrics_port)
     yield ray
     ray_sandbox.shutdown()

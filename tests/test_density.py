@@ -43,8 +43,8 @@ def dense_cluster(ray_home):
 
     import ray_sandbox
 
-    ray.init(num_cpus=int(N * CPU) + 4, _memory=N * MEMORY + 2**31, include_dashboard=False,
-             log_to_driver=False, object_store_memory=300 * 2**20)
+    ray.init(address="local", num_cpus=int(N * CPU) + 4, _memory=N * MEMORY + 2**31,
+             include_dashboard=False, log_to_driver=False, object_store_memory=300 * 2**20)
     yield ray
     ray_sandbox.shutdown()
     ray.shutdown()

@@ -61,7 +61,7 @@ def outage_cluster(tmp_path_factory, fake_internet, default_image, busybox_image
            "RAY_SANDBOX_AGENT_IO_TIMEOUT": "3"}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
              object_store_memory=300 * MiB)
     try:
         yield ray, home

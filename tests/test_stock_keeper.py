@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent("""
     import json, sys, time
     import ray, ray_sandbox as sandbox
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              object_store_memory=100 * 2**20)
     sb = sandbox.create(image="ray-sandbox/busybox", memory="32Mi", cpu=0.1)  # a miss
     deadline = time.monotonic() + 60
