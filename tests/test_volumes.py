@@ -190,6 +190,37 @@ def test_copies_remount_volumes(runtime, volume):
     assert leftovers_after_teardown(runtime.home, {b}) == {}
 
 
+def test_export_and_import_copy_a_volume(runtime, volume):
+    """The stream another node imports from (Ray's copy): only data extents travel, the
+    copy is a new volume with the same bytes, and an export refuses a volume in use."""
+    sid = runtime.create(image=BUSYBOX, memory="64Mi", volumes={"/v": volume})
+    res = runtime.exec(sid, "dd if=/dev/urandom of=/v/blob bs=1M count=3 2>/dev/null && "
+                            "echo tiny > /v/tiny && md5sum /v/blob | cut -d' ' -f1")
+    assert res.exit_code == 0, res.stderr
+    with pytest.raises(SandboxStateError, match="only when idle"):
+        runtime.volumes.export_stream(volume)
+    runtime.delete(sid, wait=True)
+    data = b"".join(runtime.volumes.export_stream(volume))
+    assert (3 << 20) < len(data) < (8 << 20)  # sparse: not the 32 MiB of the image
+    pieces = [data[i:i + 65536] for i in range(0, len(data), 65536)]
+    info = runtime.volumes.import_stream("copy-of-it", pieces)
+    assert info.size == runtime.volumes.inspect(volume).size
+    with pytest.raises(ConfigError, match="already exists"):
+        runtime.volumes.import_stream("copy-of-it", pieces)
+    with pytest.raises(ConfigError, match="ended in the middle"):
+        runtime.volumes.import_stream("copy-cut", [data[:-5]])
+    assert not (runtime.volumes.root / "copy-cut").exists()
+    c = runtime.create(image=BUSYBOX, memory="64Mi", volumes={"/c": "copy-of-it:ro"})
+    try:
+        out = runtime.exec(c, "md5sum /c/blob | cut -d' ' -f1; cat /c/tiny").stdout.split()
+        assert out == [res.stdout.strip(), "tiny"]
+    finally:
+        runtime.delete(c, wait=True)
+    runtime.volumes.delete("copy-of-it")
+    assert leftovers_after_teardown(runtime.home, {sid, c}) == {}
+    assert list(runtime.volumes.root.glob(".*-*")) == []
+
+
 def test_bad_volumes_fail_create_and_leave_nothing(runtime, volume):
     with pytest.raises(SandboxCreationError, match="does not exist"):
         runtime.create(image=BUSYBOX, memory="64Mi", volumes={"/v": "no-such-volume"})

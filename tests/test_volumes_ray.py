@@ -1,6 +1,7 @@
 """Volumes through Ray on a two-node cluster whose nodes keep separate homes: a volume is
 made on the node asked for, and sandboxes that mount it are placed there (read-write, then
-read-only), whichever node the caller is on; delete waits for its users to be gone."""
+read-only), whichever node the caller is on; delete waits for its users to be gone; an idle
+volume is copied and moved to the other node, and its sandboxes follow."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ import pytest
 
 from ray_sandbox.actor import api
 from ray_sandbox.actor.volumes import (
+    copy_volume,
     create_volume,
     delete_volume,
     inspect_volume,
     list_volumes,
+    move_volume,
     volume_node,
 )
 from ray_sandbox.runtime.errors import ConfigError, SandboxNotFoundError, SandboxStateError
@@ -61,5 +64,20 @@ def test_sandboxes_go_to_their_volumes_node(tmp_path_factory, default_image, bus
         assert [ray.get(r.read_file.remote("/ws/f")) for r in readers] == [b"across\n"] * 2
         ray.get([r.terminate.remote() for r in readers])
         assert _idle("ray-ws")
+
+        # copied, then moved, to the driver's node through the object store
+        near = by_res["vnode0"]
+        assert copy_volume("ray-ws", near, "ray-ws-copy").node == near
+        assert move_volume("ray-ws", near).node == near
+        assert sorted((v.name, v.node) for v in list_volumes()) == [("ray-ws", near),
+                                                                     ("ray-ws-copy", near)]
+        assert not (homes[1] / "volumes" / "ray-ws").exists()
+        sb = api.create(image="ray-sandbox/busybox", memory="64Mi",
+                        volumes={"/a": "ray-ws:ro", "/b": "ray-ws-copy:ro"})
+        assert sb.node_id == near
+        assert ray.get(sb.exec.remote("cat /a/f /b/f")).stdout == "across\nacross\n"
+        ray.get(sb.terminate.remote())
+        assert _idle("ray-ws") and _idle("ray-ws-copy")
         delete_volume("ray-ws")
+        delete_volume("ray-ws-copy")
         assert list_volumes() == []

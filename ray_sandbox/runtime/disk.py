@@ -22,6 +22,7 @@ import fcntl
 import os
 import shutil
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 from . import _mount, _proc
@@ -96,25 +97,41 @@ def template(templates: Path, size: int, *, sandbox_id: str) -> Path:
     return path
 
 
+def data_extents(fd: int) -> Iterator[tuple[int, int]]:
+    """``(start, end)`` of each data extent of the file behind ``fd``; holes are skipped."""
+    size, off = os.fstat(fd).st_size, 0
+    while off < size:
+        try:
+            start = os.lseek(fd, off, os.SEEK_DATA)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:  # no data past off
+                return
+            raise
+        off = os.lseek(fd, start, os.SEEK_HOLE)
+        yield start, off
+
+
 def _copy_sparse(src: Path, dst_fd: int) -> None:
     """Copy ``src``'s data extents into ``dst_fd`` (already of the same size); holes stay holes."""
     fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        size, off = os.fstat(fd).st_size, 0
-        while off < size:
-            try:
-                start = os.lseek(fd, off, os.SEEK_DATA)
-            except OSError as exc:
-                if exc.errno == errno.ENXIO:  # no data past off
-                    return
-                raise
-            off = os.lseek(fd, start, os.SEEK_HOLE)
+        for start, end in data_extents(fd):
             pos = start
-            while pos < off:
-                n = os.copy_file_range(fd, dst_fd, off - pos, pos, pos)
+            while pos < end:
+                n = os.copy_file_range(fd, dst_fd, end - pos, pos, pos)
                 if n == 0:
                     raise OSError(errno.EIO, f"{src} shrank while it was copied")
                 pos += n
+    finally:
+        os.close(fd)
+
+
+def clone(src: Path, dst: Path) -> None:
+    """A sparse copy of ``src`` at the new path ``dst`` (holes stay holes)."""
+    fd = os.open(dst, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.ftruncate(fd, os.stat(src).st_size)
+        _copy_sparse(src, fd)
     finally:
         os.close(fd)
 
@@ -150,19 +167,10 @@ def attach(image: Path, mountpoint: Path, size: int, *, templates: Path, sandbox
                                    sandbox_id=sandbox_id)
     source = template(templates, size, sandbox_id=sandbox_id)
     try:
-        fd = os.open(image, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        clone(source, image)
     except OSError as exc:
-        raise SandboxCreationError(f"creating the disk image failed: {exc}",
+        raise SandboxCreationError(f"a {size}-byte disk image cannot be made here: {exc}",
                                    sandbox_id=sandbox_id) from None
-    try:
-        try:
-            os.ftruncate(fd, size)
-            _copy_sparse(source, fd)
-        except OSError as exc:
-            raise SandboxCreationError(f"a {size}-byte disk image cannot be made here: {exc}",
-                                       sandbox_id=sandbox_id) from None
-    finally:
-        os.close(fd)
     mountpoint.mkdir()
     mount_image(image, mountpoint, sandbox_id=sandbox_id)
 

@@ -20,14 +20,16 @@ import fcntl
 import os
 import shutil
 import socket
+import struct
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from . import _mount, disk
+from . import _mount, archive, disk
 from .config import VOLUME_NAME_RE, VolumeMount, parse_size
 from .errors import ConfigError, SandboxCreationError, SandboxNotFoundError, SandboxStateError
 
@@ -87,27 +89,11 @@ class VolumeStore:
         reason = disk.unavailable()
         if reason:
             raise SandboxCreationError(f"volumes cannot be made here: {reason}")
-        with self._locked():
-            if self._dir(name).exists():
-                raise ConfigError(f"volume {name!r} already exists on this node")
-            # Built aside and renamed into place: a crash leaves a dot-dir gc removes.
-            tmp = self.root / f".new-{name}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            try:
-                tmp.mkdir()
-                with open(tmp / "volume.img", "xb") as f:
-                    f.truncate(nbytes)
-                disk.mkfs_ext4(tmp / "volume.img", sandbox_id=None, journal=True)
-                (tmp / "mnt").mkdir()
-                rec = VolumeRecord(name=name, size=nbytes, node=self.node,
-                                   created_at=time.time())
-                (tmp / "volume.json").write_text(rec.model_dump_json())
-                os.rename(tmp, self._dir(name))
-            except OSError as exc:
-                raise SandboxCreationError(f"volume {name!r} cannot be made in {self.root}: "
-                                           f"{exc}") from None
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
+        with self._building(name) as tmp:
+            with open(tmp / "volume.img", "xb") as f:
+                f.truncate(nbytes)
+            disk.mkfs_ext4(tmp / "volume.img", sandbox_id=None, journal=True)
+            self._commit(tmp, name, nbytes, time.time())
         return self.inspect(name)
 
     def list(self) -> list[VolumeInfo]:
@@ -135,6 +121,50 @@ class VolumeStore:
             _mount.unmount(self._dir(name) / "mnt")
             # the image is removed either way; a loop still bound to it ends with its mount
             shutil.rmtree(self._dir(name), ignore_errors=True)
+
+    def export_stream(self, name: str) -> Iterator[bytes]:
+        """The volume as a byte stream for :meth:`import_stream` (on another node, through
+        the object store): its record, then the image's data extents (holes are not sent).
+        The volume must be idle; the image is copied aside under the lock (sparse, time and
+        space as its used bytes), so sandboxes may mount it again while the copy streams."""
+        self.inspect(name)
+        with self._locked():
+            users = self._users(name, self._table())
+            if users:
+                raise SandboxStateError(f"volume {name!r} is mounted by sandbox "
+                                        f"{users[0].sandbox_id}: it is copied only when idle",
+                                        sandbox_id=users[0].sandbox_id)
+            _mount.unmount(self._dir(name) / "mnt")  # idle but mounted: flush it to the image
+            self._wait_unbound(name, None)
+            aside = self.root / f".export-{name}-{os.getpid()}-{time.monotonic_ns()}"
+            disk.clone(self._dir(name) / "volume.img", aside)
+            try:
+                copy = open(aside, "rb")  # noqa: SIM115 - the stream closes it
+            finally:
+                aside.unlink()  # nothing to clean up later: the open file keeps it readable
+        return _frames((self._dir(name) / "volume.json").read_bytes(), copy)
+
+    def import_stream(self, name: str, chunks: Iterable[bytes]) -> VolumeInfo:
+        """A new volume ``name`` on this node from :meth:`export_stream`'s bytes."""
+        _check_name(name)
+        stream = _Stream(chunks)
+        if stream.read(len(_MAGIC)) != _MAGIC:
+            raise ConfigError(f"volume {name!r}: not a volume stream")
+        (n,) = _FRAME.unpack(stream.read(_FRAME.size))[1:]
+        if n > _RECORD_MAX:
+            raise ConfigError(f"volume {name!r}: record of {n} bytes in the stream")
+        source = VolumeRecord.model_validate_json(stream.read(n))
+        with self._building(name) as tmp:
+            with open(tmp / "volume.img", "xb") as f:
+                f.truncate(source.size)
+                while (head := stream.read(_FRAME.size, eof_ok=True)) is not None:
+                    offset, length = _FRAME.unpack(head)
+                    if length > archive.TRANSFER_CHUNK or offset + length > source.size:
+                        raise ConfigError(f"volume {name!r}: extent {offset}+{length} "
+                                          f"outside its {source.size} bytes")
+                    os.pwrite(f.fileno(), stream.read(length), offset)
+            self._commit(tmp, name, source.size, source.created_at)
+        return self.inspect(name)
 
     # --- what the launcher and gc use ------------------------------------------------------
 
@@ -184,12 +214,39 @@ class VolumeStore:
                     released.append(name)
             for tmp in self.root.glob(".new-*"):  # a create that died half-way
                 shutil.rmtree(tmp, ignore_errors=True)
+            for aside in self.root.glob(".export-*"):  # an export that died half-way
+                aside.unlink(missing_ok=True)
         return released
 
     # --- inside ----------------------------------------------------------------------------
 
     def _dir(self, name: str) -> Path:
         return self.root / name
+
+    @contextmanager
+    def _building(self, name: str) -> Iterator[Path]:
+        """The directory a new volume is built in, under the lock, and renamed into place by
+        :meth:`_commit`; nothing of it stays if building fails (a crash leaves a dot-dir that
+        gc removes)."""
+        with self._locked():
+            if self._dir(name).exists():
+                raise ConfigError(f"volume {name!r} already exists on this node")
+            tmp = self.root / f".new-{name}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            try:
+                tmp.mkdir()
+                yield tmp
+            except OSError as exc:
+                raise SandboxCreationError(f"volume {name!r} cannot be made in {self.root}: "
+                                           f"{exc}") from None
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+
+    def _commit(self, tmp: Path, name: str, size: int, created_at: float) -> None:
+        (tmp / "mnt").mkdir()
+        rec = VolumeRecord(name=name, size=size, node=self.node, created_at=created_at)
+        (tmp / "volume.json").write_text(rec.model_dump_json())
+        os.rename(tmp, self._dir(name))
 
     def _record(self, name: str) -> VolumeRecord | None:
         try:
@@ -216,24 +273,27 @@ class VolumeStore:
     def _ensure_mounted(self, name: str, table: _Table, sandbox_id: str) -> None:
         if name in table.mounted:
             return
-        image = self._dir(name) / "volume.img"
-        # Two loop devices on one image would be two ext4 instances writing one disk: wait
-        # for a dying sandbox's namespace to let go of the old one, else refuse.
+        # Two loop devices on one image would be two ext4 instances writing one disk.
+        self._wait_unbound(name, sandbox_id)
+        mnt = self._dir(name) / "mnt"
+        disk.mount_image(self._dir(name) / "volume.img", mnt, sandbox_id=sandbox_id)
+        # Never bind a bare mnt/ dir: the sandbox would write to the node's disk, uncapped.
+        if os.stat(mnt).st_dev == os.stat(mnt.parent).st_dev:
+            raise SandboxCreationError(f"volume {name!r} did not mount on {mnt}",
+                                       sandbox_id=sandbox_id)
+        table.mounted.add(name)
+
+    def _wait_unbound(self, name: str, sandbox_id: str | None) -> None:
+        """Until no loop device is bound to the image: a sandbox still dying may hold the
+        filesystem for a moment in its processes' mount namespace; past that, refuse."""
         deadline = time.monotonic() + _LOOP_GONE_WAIT_S
-        while held := disk.loops_backed_by(image):
+        while held := disk.loops_backed_by(self._dir(name) / "volume.img"):
             if time.monotonic() > deadline:
                 raise SandboxStateError(
                     f"volume {name!r} is still held by /dev/{held[0]} outside this runtime "
                     "(a sandbox still dying, or a mount made by hand)", sandbox_id=sandbox_id,
                 )
             time.sleep(0.05)
-        mnt = self._dir(name) / "mnt"
-        disk.mount_image(image, mnt, sandbox_id=sandbox_id)
-        # Never bind a bare mnt/ dir: the sandbox would write to the node's disk, uncapped.
-        if os.stat(mnt).st_dev == os.stat(mnt.parent).st_dev:
-            raise SandboxCreationError(f"volume {name!r} did not mount on {mnt}",
-                                       sandbox_id=sandbox_id)
-        table.mounted.add(name)
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
@@ -266,6 +326,42 @@ class _Table:
             if image is not None and Path(image).parent.parent == root:
                 self.users.setdefault(Path(image).parent.name, []).append(
                     VolumeUse(sandbox_id=m.point.parent.parent.name, readonly=m.readonly))
+
+
+_MAGIC = b"RSBVOL1\n"
+_FRAME = struct.Struct(">QQ")  # (offset, length) of an extent; (0, n) before the record
+_RECORD_MAX = 64 << 10
+
+
+def _frames(record: bytes, image: BinaryIO) -> Iterator[bytes]:
+    """The export stream: the record, then the image's data extents, ≤ 4 MiB each."""
+    with image:
+        fd = image.fileno()
+        yield _MAGIC + _FRAME.pack(0, len(record)) + record
+        for start, end in disk.data_extents(fd):
+            for off in range(start, end, archive.TRANSFER_CHUNK):
+                n = min(archive.TRANSFER_CHUNK, end - off)
+                yield _FRAME.pack(off, n) + os.pread(fd, n, off)
+
+
+class _Stream:
+    """Exact reads over chunks of any size."""
+
+    def __init__(self, chunks: Iterable[bytes]) -> None:
+        self._it = iter(chunks)
+        self._buf = bytearray()
+
+    def read(self, n: int, *, eof_ok: bool = False) -> bytes | None:
+        while len(self._buf) < n:
+            chunk = next(self._it, None)
+            if chunk is None:
+                if eof_ok and not self._buf:
+                    return None
+                raise ConfigError("the volume stream ended in the middle of a frame")
+            self._buf += chunk
+        out = bytes(self._buf[:n])
+        del self._buf[:n]
+        return out
 
 
 def _backing_file(device: str) -> str | None:
