@@ -205,6 +205,8 @@ class VolumeStore:
 
     def release_idle(self) -> list[str]:
         """Unmount every volume no sandbox has bound any more; returns their names."""
+        if not self.root.is_dir():  # a home that never made a volume: nothing to look at
+            return []
         released = []
         with self._locked():
             table = self._table()
