@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -126,8 +127,9 @@ def test_one_cache_read_only_in_8_sandboxes(runtime, volume):
     with pytest.raises(SandboxCreationError, match="one sandbox at a time"):
         runtime.create(image=BUSYBOX, memory="64Mi", volumes={"/cache": f"{volume}:ro"})
     runtime.delete(w, wait=True)
-    readers = [runtime.create(image=BUSYBOX, memory="64Mi", volumes={"/cache": f"{volume}:ro"})
-               for _ in range(8)]
+    with ThreadPoolExecutor(4) as pool:  # concurrent creates: the store's lock orders them
+        readers = list(pool.map(lambda _: runtime.create(
+            image=BUSYBOX, memory="64Mi", volumes={"/cache": f"{volume}:ro"}), range(8)))
     try:
         info = runtime.volumes.inspect(volume)
         assert sorted(u.sandbox_id for u in info.mounts) == sorted(readers)
@@ -140,6 +142,25 @@ def test_one_cache_read_only_in_8_sandboxes(runtime, volume):
         for sid in readers:
             runtime.delete(sid)
     assert leftovers_after_teardown(runtime.home, set(readers)) == {}
+
+
+def test_concurrent_writers_get_the_volume_one_at_a_time(runtime, volume):
+    def create():
+        try:
+            return runtime.create(image=BUSYBOX, memory="64Mi", volumes={"/w": volume})
+        except SandboxCreationError as exc:
+            assert "one sandbox at a time" in str(exc)
+            return None
+
+    with ThreadPoolExecutor(3) as pool:
+        made = [sid for sid in pool.map(lambda _: create(), range(3)) if sid]
+    try:
+        assert len(made) == 1
+        assert [u.sandbox_id for u in runtime.volumes.inspect(volume).mounts] == made
+    finally:
+        for sid in made:
+            runtime.delete(sid)
+    assert leftovers_after_teardown(runtime.home, set(made)) == {}
 
 
 def test_fork_of_a_read_write_volume_fails_clearly(runtime, volume):
