@@ -163,6 +163,19 @@ def test_concurrent_writers_get_the_volume_one_at_a_time(runtime, volume):
     assert leftovers_after_teardown(runtime.home, set(made)) == {}
 
 
+def test_ttl_expiry_releases_and_keeps_the_volume(runtime, volume):
+    sid = runtime.create(image=BUSYBOX, memory="64Mi", ttl_seconds=1, volumes={"/w": volume})
+    assert runtime.exec(sid, "echo ttl > /w/f").exit_code == 0
+    assert leftovers_after_teardown(runtime.home, {sid}) == {}  # expired and torn down
+    assert runtime.volumes.inspect(volume).mounts == []
+    again = runtime.create(image=BUSYBOX, memory="64Mi", volumes={"/w": f"{volume}:ro"})
+    try:
+        assert runtime.read_file(again, "/w/f") == b"ttl\n"
+    finally:
+        runtime.delete(again)
+    assert leftovers_after_teardown(runtime.home, {again}) == {}
+
+
 def test_fork_of_a_read_write_volume_fails_clearly(runtime, volume):
     sid = runtime.create(image=BUSYBOX, memory="64Mi", volumes={"/ws": volume})
     try:
