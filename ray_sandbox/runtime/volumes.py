@@ -33,7 +33,7 @@ from . import _mount, archive, disk
 from .config import VOLUME_NAME_RE, VolumeMount, parse_size
 from .errors import ConfigError, SandboxCreationError, SandboxNotFoundError, SandboxStateError
 
-MIN_SIZE = 16 << 20  # below this mke2fs makes no journal, and ext4's metadata dominates
+MIN_SIZE = 16 << 20  # a floor: below it the journal and ext4's metadata take much of the cap
 # A sandbox killed a moment ago may still hold the filesystem in its processes' mount
 # namespace (its loop device lives until they are reaped): how long a mount waits for that.
 _LOOP_GONE_WAIT_S = 5.0
@@ -68,12 +68,12 @@ class VolumeInfo(VolumeRecord):
 class VolumeStore:
     """The volumes of one home. Thread- and process-safe."""
 
-    def __init__(self, home: Path, *, node: str | None = None) -> None:
+    def __init__(self, home: Path) -> None:
         # Resolved, as the kernel names mount points and loop backing files (the volume root
         # may be a link to a PVC or hostPath, docs/volumes.md).
         self.root = (home / "volumes").resolve()
         self._sandboxes = (home / "sandboxes").resolve()
-        self.node = node or socket.gethostname()
+        self.node = socket.gethostname()  # in records; through Ray, infos carry Ray's node id
 
     # --- the public verbs ------------------------------------------------------------------
 
@@ -118,9 +118,20 @@ class VolumeStore:
                     f"{', '.join(u.sandbox_id for u in users)}: delete them first",
                     sandbox_id=users[0].sandbox_id,
                 )
-            _mount.unmount(self._dir(name) / "mnt")
-            # the image is removed either way; a loop still bound to it ends with its mount
-            shutil.rmtree(self._dir(name), ignore_errors=True)
+            vdir = self._dir(name)
+            _mount.unmount(vdir / "mnt")
+            if os.path.ismount(vdir / "mnt"):
+                raise SandboxStateError(f"volume {name!r} is still mounted on {vdir / 'mnt'}")
+            # File by file, never a tree walk: nothing of the volume's contents is touched.
+            # A loop still bound to the image (a sandbox still dying) ends with its last mount.
+            (vdir / "volume.json").unlink(missing_ok=True)
+            (vdir / "volume.img").unlink(missing_ok=True)
+            try:
+                (vdir / "mnt").rmdir()
+                vdir.rmdir()
+            except OSError as exc:
+                raise SandboxStateError(f"volume {name!r}: {vdir} cannot be removed: "
+                                        f"{exc.strerror}") from None
 
     def export_stream(self, name: str) -> Iterator[bytes]:
         """The volume as a byte stream for :meth:`import_stream` (on another node, through
