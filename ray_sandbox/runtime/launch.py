@@ -30,6 +30,7 @@ from .errors import (
     ImageNotFoundError,
     SandboxCreationError,
     SandboxError,
+    SandboxStateError,
     SnapshotCorruptError,
 )
 from .images import Image, ImageStore
@@ -440,6 +441,11 @@ class Launcher:
             _mount.unmount(point)
         if had_volumes:  # after its binds are gone: a volume no sandbox uses is unmounted
             self.volumes.release_idle()
+            if _mount.mounts_under(sdir.volumes):
+                # Removing the directory would walk into a volume and delete its data: keep
+                # it (and the tombstone) for the next gc.
+                raise SandboxStateError(f"volume binds still mounted under {sdir.volumes}",
+                                        sandbox_id=sandbox_id)
         sdir.remove()
         self._records.unbury(sandbox_id)
         if errors:
