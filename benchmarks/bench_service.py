@@ -2,7 +2,7 @@
 
     .venv/bin/python -m benchmarks.bench_service [--reps N]
 
-Rows (busybox, cpu=1, 48Mi, one local Ray node, the service on 127.0.0.1 through Serve's
+Rows (busybox, cpu=1, 128Mi, one local Ray node, the service on 127.0.0.1 through Serve's
 proxy, one keep-alive httpx connection):
 - ``create→first exec, HTTP``: POST /sandboxes, long-poll GET until running, POST an exec,
   long-poll its result; the sandbox is deleted outside the timed part;
@@ -31,7 +31,7 @@ import ray_sandbox as sandbox
 from benchmarks._harness import emit, measure, summarize
 from ray_sandbox import service
 
-OPTS = {"image": "ray-sandbox/busybox", "cpu": 1, "memory": "48Mi"}
+OPTS = {"image": "ray-sandbox/busybox", "cpu": 1, "memory": "128Mi"}  # gVisor: ~0.1 MiB per exec
 TOKEN = "bench-token-0123456789"
 PAUSE_S = 0.2  # between creates: the delete before it reaches the scheduler asynchronously
 
@@ -74,7 +74,7 @@ def run(reps: int) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="rsb-bench-service-") as tmp:
         os.environ["RAY_SANDBOX_HOME"] = str(Path(tmp) / "home")
         os.environ["RAY_SANDBOX_STOCK_MAX"] = "0"  # count boots, as the other benches do
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
         try:
             url = service.start(service.from_env({"RAY_SANDBOX_API_TOKEN": TOKEN}),
                                 "127.0.0.1", _port())
