@@ -1,7 +1,7 @@
 """One entry point for every benchmark: run some (or all), then chart every saved result.
 
     .venv/bin/python -m benchmarks [runtime ray images network snapshot scale blocks cpu stock
-                                    memory commands service soak] [--quick]
+                                    memory commands service ray_floor soak] [--quick]
     .venv/bin/python -m benchmarks --chart-only
 
 Each benchmark prints its table and saves ``benchmarks/out/<name>.json``; this then renders
@@ -27,6 +27,7 @@ MODULES = {
     "cpu": "benchmarks.bench_cpu",
     "stock": "benchmarks.bench_stock",
     "service": "benchmarks.bench_service",
+    "ray_floor": "benchmarks.bench_ray_floor",
     "memory": "benchmarks.bench_memory",
     "commands": "benchmarks.bench_commands",
     "soak": "benchmarks.soak",
