@@ -7,7 +7,8 @@ proxy, one keep-alive httpx connection):
 - ``create→first exec, HTTP``: POST /sandboxes, long-poll GET until running, POST an exec,
   long-poll its result; the sandbox is deleted outside the timed part;
 - ``create→first exec, Ray handle (baseline)``: ``create()`` then ``ray.get(exec)``;
-- ``exec round trip, HTTP``: ``/bin/true`` as POST + long-poll GET on a running sandbox;
+- ``exec round trip, HTTP``: ``/bin/true`` as POST + long-poll GET on a running sandbox, and
+  as one POST with ``wait_seconds`` that answers with the result;
 - ``exec round trip, Ray handle (baseline)``: ``ray.get(sb.exec.remote(...))`` on the same;
 - ``first streamed byte, HTTP``: POST .../execs/stream of ``echo x`` until the first
   stdout line arrives.
@@ -50,6 +51,13 @@ def _http_exec(c: httpx.Client, sid: str) -> None:
         if info["status"] != "running":
             assert info["exit_code"] == 0, info
             return
+
+
+def _http_exec_waiting(c: httpx.Client, sid: str) -> None:
+    """One request: the POST waits for the command and answers with its result."""
+    r = c.post(f"/sandboxes/{sid}/execs", params={"wait_seconds": 30},
+               json={"command": ["/bin/true"]})
+    assert r.status_code == 200 and r.json()["exit_code"] == 0, r.text
 
 
 def _http_create_exec(c: httpx.Client) -> tuple[float, str]:
@@ -100,8 +108,10 @@ def run(reps: int) -> list[dict]:
                 sid = c.post("/sandboxes", json=OPTS).raise_for_status().json()["sandbox_id"]
                 c.get(f"/sandboxes/{sid}", params={"wait_seconds": 60})
                 same = next(h for h in sandbox.list() if h.name == sid)  # the same sandbox
-                rows.append(measure("exec round trip, HTTP", lambda: _http_exec(c, sid),
-                                    reps * 5, warmup=3))
+                rows.append(measure("exec round trip, HTTP (POST, then long-poll GET)",
+                                    lambda: _http_exec(c, sid), reps * 5, warmup=3))
+                rows.append(measure("exec round trip, HTTP (one POST that waits)",
+                                    lambda: _http_exec_waiting(c, sid), reps * 5, warmup=3))
                 rows.append(measure("exec round trip, Ray handle (baseline)",
                                     lambda: ray.get(same.exec.remote(["/bin/true"])),
                                     reps * 5, warmup=3))

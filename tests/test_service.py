@@ -65,6 +65,19 @@ def test_lifecycle_create_exec_files_labels_delete(service: Service):
             "env": {"X": "1"}}).json()
         assert wait_exec(c, sid, shell["exec_id"])["stdout"] == "from stdin\n/tmp\n"
 
+        # waiting on the POST: a command that ends in time answers 200 with its result ...
+        r = c.post(f"/sandboxes/{sid}/execs", params={"wait_seconds": 4},
+                   json={"command": "echo quick; exit 3"})
+        assert r.status_code == 200, r.text
+        quick = r.json()
+        assert (quick["status"], quick["exit_code"], quick["stdout"]) == ("completed", 3,
+                                                                          "quick\n")
+        # ... one that does not is a 202 to poll, as without the wait
+        r = c.post(f"/sandboxes/{sid}/execs", params={"wait_seconds": 0.2},
+                   json={"command": "sleep 2; echo slow"})
+        assert r.status_code == 202 and r.json()["status"] == "running", r.text
+        assert wait_exec(c, sid, r.json()["exec_id"])["stdout"] == "slow\n"
+
         payload = bytes(range(256)) * 40
         r = c.put(f"/sandboxes/{sid}/files", params={"path": "/tmp/d/data.bin"},
                   content=payload)

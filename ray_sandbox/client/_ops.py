@@ -126,7 +126,11 @@ def exec_body(command: str | list[str], timeout: float | None, env: Mapping[str,
 def run(sandbox_id: str, body: dict[str, Any]) -> Op:
     """Start a command, wait for it, return its ExecResult (a non-zero exit is a result)."""
     base = f"/sandboxes/{sandbox_id}"
-    r = check((yield Call("POST", f"{base}/execs", json=body)), sandbox_id)
+    r = check((yield Call("POST", f"{base}/execs", json=body,
+                          params={"wait_seconds": POLL_SECONDS}, timeout=POLL_SECONDS + 60)),
+              sandbox_id)
+    if r.status_code == 200:  # it ended within the first wait: the result came back at once
+        return exec_result(r.json(), sandbox_id)
     exec_id = r.json()["exec_id"]
     # its own timeout bounds the command; the margin covers queueing and the poll itself
     limit = (body.get("timeout_seconds") or 3600.0) + 120

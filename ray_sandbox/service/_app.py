@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Query, Request, Response, WebSocket
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -209,11 +209,19 @@ def build_app(config: ServiceConfig) -> Any:
         await sandboxes.delete(tenant(request), sandbox_id)
         return Deleted(sandbox_id=sandbox_id)
 
-    @app.post(f"{PREFIX}/sandboxes/{{sandbox_id}}/execs", status_code=202)
-    async def create_exec(request: Request, sandbox_id: str, body: CreateExec) -> ExecCreated:
+    @app.post(f"{PREFIX}/sandboxes/{{sandbox_id}}/execs", status_code=202,
+              response_model=ExecCreated, responses={200: {"model": ExecInfo}})
+    async def create_exec(request: Request, sandbox_id: str, body: CreateExec,
+                          wait_seconds: Wait = 0.0) -> ExecCreated | JSONResponse:
+        """202 with the exec's id; with ``wait_seconds``, a command that ends within that
+        time answers 200 with its result at once (one request instead of two)."""
         entry = await sandboxes.running(tenant(request), sandbox_id)
         ex = await sandboxes.start_exec(entry, body.command, timeout=body.timeout_seconds,
                                         env=body.env or None, cwd=body.cwd, stdin=body.stdin)
+        if wait_seconds:
+            info = await sandboxes.exec_info(entry, ex.exec_id, wait_seconds)
+            if info.status != "running":
+                return JSONResponse(info.model_dump(mode="json"), status_code=200)
         return ExecCreated(exec_id=ex.exec_id)
 
     @app.get(f"{PREFIX}/sandboxes/{{sandbox_id}}/execs/{{exec_id}}")
