@@ -19,6 +19,7 @@ def test_bench_service_runs_with_one_rep():
     rows = json.loads(out.stdout.strip().splitlines()[-1])
     assert [r["label"] for r in rows] == [
         "create→first exec, HTTP", "create→first exec, Ray handle (baseline)",
-        "exec round trip, HTTP", "exec round trip, Ray handle (baseline)",
+        "exec round trip, HTTP (POST, then long-poll GET)",
+        "exec round trip, HTTP (one POST that waits)", "exec round trip, Ray handle (baseline)",
         "first streamed byte, HTTP"]
     assert all(r["n"] >= 1 and r["p50_ms"] > 0 for r in rows)
