@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ray_sandbox.runtime import ImageStore, SandboxRuntime
+from ray_sandbox.runtime import ImageStore, SandboxRuntime, disk
 from ray_sandbox.runtime.paths import home
 
 _ID = re.compile(r"^[0-9a-f]{32}$")
@@ -60,15 +60,8 @@ def leftovers_after_teardown(rt_home: Path, ids: set[str] = frozenset(),
 def loops_backed_by(prefix: Path) -> list[str]:
     """Loop devices whose backing file is under ``prefix`` (a deleted one reads
     "<path> (deleted)"), e.g. a disk= image whose filesystem was never released."""
-    out = []
-    for backing in Path("/sys/block").glob("loop*/loop/backing_file"):
-        try:
-            path = backing.read_text().strip()
-        except OSError:
-            continue  # released while we looked
-        if path.startswith(f"{prefix}/"):
-            out.append(f"{backing.parent.parent.name}: {path}")
-    return sorted(out)
+    return sorted(f"{dev}: {path}" for dev, path in disk.loop_backings()
+                  if path.startswith(f"{prefix}/"))
 
 
 @pytest.fixture(scope="session")

@@ -196,15 +196,19 @@ def mount_image(image: Path, mountpoint: Path, *, sandbox_id: str | None) -> Non
         os.close(loop)  # the mount holds the device now; if it failed, autoclear frees it
 
 
-def loops_backed_by(image: Path) -> list[str]:
-    """The loop devices (``loopN``) bound to ``image``: while one exists, some mount of it
-    lives, in this mount namespace or another (a sandbox's gofer still holding it)."""
+def loop_backings() -> list[tuple[str, str]]:
+    """Every bound loop device (``loopN``) and its backing file, as sysfs reports it (a
+    deleted file reads "<path> (deleted)")."""
     out = []
     for backing in Path("/sys/block").glob("loop*/loop/backing_file"):
         try:
-            path = backing.read_text().strip()
+            out.append((backing.parent.parent.name, backing.read_text().strip()))
         except OSError:
             continue  # released while we looked
-        if path == str(image):
-            out.append(backing.parent.parent.name)
     return out
+
+
+def loops_backed_by(image: Path) -> list[str]:
+    """The loop devices (``loopN``) bound to ``image``: while one exists, some mount of it
+    lives, in this mount namespace or another (a sandbox's gofer still holding it)."""
+    return [dev for dev, path in loop_backings() if path == str(image)]
