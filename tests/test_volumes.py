@@ -19,8 +19,8 @@ from ray_sandbox.runtime import SandboxRuntime, SandboxState
 from ray_sandbox.runtime.errors import (
     ConfigError,
     SandboxCreationError,
-    SandboxNotFoundError,
-    SandboxStateError,
+    VolumeInUseError,
+    VolumeNotFoundError,
 )
 from tests.fx_runtime import leftovers_after_teardown, loops_backed_by
 
@@ -52,7 +52,7 @@ def test_data_survives_delete_and_recreate(runtime, volume):
     assert [(u.sandbox_id, u.readonly) for u in info.mounts] == [(a, False)]
     assert info.size == 32 << 20 and info.node and info.used > 0
     assert runtime.exec(a, "echo kept > /ws/f && mkdir /ws/d").exit_code == 0
-    with pytest.raises(SandboxStateError, match="mounted by"):
+    with pytest.raises(VolumeInUseError, match="mounted by"):
         runtime.volumes.delete(volume)
     runtime.delete(a)
     assert leftovers_after_teardown(runtime.home, {a}) == {}
@@ -231,7 +231,7 @@ def test_export_and_import_copy_a_volume(runtime, volume):
     res = runtime.exec(sid, "dd if=/dev/urandom of=/v/blob bs=1M count=3 2>/dev/null && "
                             "echo tiny > /v/tiny && md5sum /v/blob | cut -d' ' -f1")
     assert res.exit_code == 0, res.stderr
-    with pytest.raises(SandboxStateError, match="only when idle"):
+    with pytest.raises(VolumeInUseError, match="only when idle"):
         runtime.volumes.export_stream(volume)
     runtime.delete(sid, wait=True)
     data = b"".join(runtime.volumes.export_stream(volume))
@@ -279,7 +279,7 @@ def test_store_verbs(runtime):
         assert vols.inspect("verbs-a").used < (2 << 20)
     finally:
         vols.delete("verbs-a")
-    with pytest.raises(SandboxNotFoundError):
+    with pytest.raises(VolumeNotFoundError):
         vols.inspect("verbs-a")
     assert "verbs-a" not in [v.name for v in vols.list()]
 

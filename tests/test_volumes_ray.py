@@ -19,7 +19,7 @@ from ray_sandbox.actor.volumes import (
     move_volume,
     volume_node,
 )
-from ray_sandbox.runtime.errors import ConfigError, SandboxNotFoundError, SandboxStateError
+from ray_sandbox.runtime.errors import ConfigError, VolumeInUseError, VolumeNotFoundError
 from tests.fx_ray import homes_cluster
 
 
@@ -46,14 +46,14 @@ def test_sandboxes_go_to_their_volumes_node(tmp_path_factory, default_image, bus
         assert [(v.name, v.node) for v in list_volumes()] == [("ray-ws", far)]
         with pytest.raises(ConfigError, match="already exists"):
             create_volume("ray-ws", "16Mi", node_id=by_res["vnode0"])
-        with pytest.raises(SandboxNotFoundError):
+        with pytest.raises(VolumeNotFoundError):
             volume_node(["no-such-volume"])
 
         sb = api.create(image="ray-sandbox/busybox", memory="64Mi", volumes={"/ws": "ray-ws"})
         assert sb.node_id == far
         assert ray.get(sb.exec.remote("echo across > /ws/f")).exit_code == 0
         assert [u.readonly for u in inspect_volume("ray-ws").mounts] == [False]
-        with pytest.raises(SandboxStateError, match="mounted by"):
+        with pytest.raises(VolumeInUseError, match="mounted by"):
             delete_volume("ray-ws")
         ray.get(sb.terminate.remote())
         assert _idle("ray-ws")

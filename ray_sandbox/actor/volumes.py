@@ -14,7 +14,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..runtime import paths
-from ..runtime.errors import ConfigError, SandboxNotFoundError
+from ..runtime.errors import ConfigError, VolumeNotFoundError
 from ..runtime.volumes import VolumeInfo, VolumeStore
 from .transfer import fetch
 
@@ -142,7 +142,7 @@ def volume_node(names: Iterable[str]) -> str:
         where = {n: listed.get(n) for n in names}
     missing = [n for n, node in where.items() if node is None]
     if missing:
-        raise SandboxNotFoundError(f"no live node has volume(s) {', '.join(missing)}")
+        raise VolumeNotFoundError(f"no live node has volume(s) {', '.join(missing)}")
     nodes = {node for node in where.values() if node is not None}
     if len(nodes) != 1:
         raise ConfigError(f"volumes {', '.join(names)} are on different nodes; a sandbox "

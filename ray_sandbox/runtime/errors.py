@@ -98,6 +98,9 @@ __all__ = [
     "NetworkError",
     "ImageInUseError",
     "ImageBusyError",
+    "ImageBuildError",
+    "VolumeNotFoundError",
+    "VolumeInUseError",
     "HostRetiringError",
     "SessionError",
     "SandboxExecError",
@@ -302,6 +305,26 @@ class ImageInUseError(ImageError):
 
 class ImageBusyError(ImageError, SandboxTimeoutError, TimeoutError):
     """Another thread or process held the image's lock for longer than the timeout."""
+
+
+class ImageBuildError(ImageError):
+    """An image build (a Dockerfile step run in a build sandbox) failed. ``step`` names the
+    failing step, ``log_tail`` holds the end of the build's output."""
+
+    def __init__(self, message: str, *, step: str | None = None, log_tail: str = "",
+                 **kw) -> None:
+        super().__init__(message, **kw)
+        self.step = step
+        self.log_tail = log_tail
+
+
+class VolumeNotFoundError(SandboxNotFoundError):
+    """No volume with this name on the node."""
+
+
+class VolumeInUseError(SandboxStateError):
+    """The volume is mounted (by a sandbox, or held by a mount still going away) and the
+    operation needs it idle, or it is mounted read-write elsewhere."""
 
 
 class HostRetiringError(SandboxStateError):

@@ -31,7 +31,13 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from . import _mount, archive, disk
 from .config import VOLUME_NAME_RE, VolumeMount, parse_size
-from .errors import ConfigError, SandboxCreationError, SandboxNotFoundError, SandboxStateError
+from .errors import (
+    ConfigError,
+    SandboxCreationError,
+    SandboxStateError,
+    VolumeInUseError,
+    VolumeNotFoundError,
+)
 
 MIN_SIZE = 16 << 20  # a floor: below it the journal and ext4's metadata take much of the cap
 # A sandbox killed a moment ago may still hold the filesystem in its processes' mount
@@ -104,7 +110,7 @@ class VolumeStore:
     def inspect(self, name: str) -> VolumeInfo:
         info = self._info(name, self._table())
         if info is None:
-            raise SandboxNotFoundError(f"no volume {name!r} on this node")
+            raise VolumeNotFoundError(f"no volume {name!r} on this node")
         return info
 
     def delete(self, name: str) -> None:
@@ -113,7 +119,7 @@ class VolumeStore:
         with self._locked():
             users = self._users(name, self._table())
             if users:
-                raise SandboxStateError(
+                raise VolumeInUseError(
                     f"volume {name!r} is mounted by sandbox(es) "
                     f"{', '.join(u.sandbox_id for u in users)}: delete them first",
                     sandbox_id=users[0].sandbox_id,
@@ -121,7 +127,7 @@ class VolumeStore:
             vdir = self._dir(name)
             _mount.unmount(vdir / "mnt")
             if os.path.ismount(vdir / "mnt"):
-                raise SandboxStateError(f"volume {name!r} is still mounted on {vdir / 'mnt'}")
+                raise VolumeInUseError(f"volume {name!r} is still mounted on {vdir / 'mnt'}")
             # File by file, never a tree walk: nothing of the volume's contents is touched.
             # A loop still bound to the image (a sandbox still dying) ends with its last mount.
             (vdir / "volume.json").unlink(missing_ok=True)
@@ -142,7 +148,7 @@ class VolumeStore:
         with self._locked():
             users = self._users(name, self._table())
             if users:
-                raise SandboxStateError(f"volume {name!r} is mounted by sandbox "
+                raise VolumeInUseError(f"volume {name!r} is mounted by sandbox "
                                         f"{users[0].sandbox_id}: it is copied only when idle",
                                         sandbox_id=users[0].sandbox_id)
             _mount.unmount(self._dir(name) / "mnt")  # idle but mounted: flush it to the image
@@ -202,7 +208,7 @@ class VolumeStore:
                 users = self._users(name, table)
                 if users and not (readonly and all(u.readonly for u in users)):
                     u = users[0]
-                    raise SandboxStateError(
+                    raise VolumeInUseError(
                         f"volume {name!r} is mounted {'read-only' if u.readonly else 'read-write'}"
                         f" by sandbox {u.sandbox_id}: a read-write volume is mounted by one "
                         "sandbox at a time (a fork or copy of a sandbox with a read-write "
@@ -302,7 +308,7 @@ class VolumeStore:
         deadline = time.monotonic() + _LOOP_GONE_WAIT_S
         while held := disk.loops_backed_by(self._dir(name) / "volume.img"):
             if time.monotonic() > deadline:
-                raise SandboxStateError(
+                raise VolumeInUseError(
                     f"volume {name!r} is still held by /dev/{held[0]} outside this runtime "
                     "(a sandbox still dying, or a mount made by hand)", sandbox_id=sandbox_id,
                 )
