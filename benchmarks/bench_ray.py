@@ -4,8 +4,9 @@
 
 Rows: create()→first exec via Ray vs SandboxRuntime.create + exec on the same warm node, and
 a warm SandboxPool's acquire→first exec;
-``ray.get(sb.exec.remote("true"))`` vs runtime exec; then ``--idle`` idle busybox sandboxes
-created through ``create()`` on this one node (count alive, RAM per sandbox, create rate).
+``ray.get(sb.exec.remote("true"))`` and ``sb.run("true")`` (the node-local channel) vs runtime
+exec; then ``--idle`` idle busybox sandboxes created through ``create()`` on this one node
+(count alive, RAM per sandbox, create rate).
 """
 
 from __future__ import annotations
@@ -127,6 +128,8 @@ def main() -> None:
             sid = rt.create(image="ray-sandbox/busybox", cpu=1, memory="128Mi")
             rows.append(measure("exec true (ray.get(sb.exec.remote))",
                                 lambda: ray.get(warm.exec.remote(["/bin/true"])), n * 10))
+            rows.append(measure("exec true (sb.run: node-local channel)",
+                                lambda: warm.run(["/bin/true"]), n * 10))
             rows.append(measure("exec true (SandboxRuntime.exec)",
                                 lambda: rt.exec(sid, ["/bin/true"]), n * 10))
             # Ray's own cost of one actor call: what exec through a handle adds at least

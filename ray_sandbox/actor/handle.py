@@ -17,7 +17,8 @@ from typing import Any
 import ray
 
 from ..runtime.records import ray_id
-from . import copies, transfer
+from ..runtime.results import ExecResult
+from . import channel, copies, transfer
 
 
 class _Method:
@@ -77,6 +78,19 @@ class SandboxHandle:
         """``exec.remote(command, timeout=, cwd=, env=, user=, shell=, stdin=,
         max_output_bytes=)`` -> ObjectRef[ExecResult]."""
         return _Method(lambda cmd, **kw: self._host.exec.remote(self.sandbox_id, cmd, **kw))
+
+    def run(self, command: str | list[str], **kwargs: Any) -> ExecResult:
+        """``exec`` that blocks and returns the :class:`ExecResult` itself, with the same
+        arguments. From a process on the sandbox's node it skips Ray's actor call (~2 ms)
+        through the host's node-local channel (``channel.py``); elsewhere it is
+        ``ray.get(exec.remote(...))``."""
+        client = channel.client_for(self._host, self.node_id)
+        if client is not None:
+            try:
+                return client.call("exec", self.sandbox_id, command, kwargs)
+            except channel.Unavailable:
+                channel.forget(self._host)  # asked again next time (a restarted host)
+        return ray.get(self._host.exec.remote(self.sandbox_id, command, **kwargs))
 
     @property
     def exec_stream(self) -> _Method:

@@ -44,6 +44,7 @@ from ..runtime.results import ExecResult, SandboxState, SandboxStatus
 from ..runtime.snapshot import Snapshot, SnapshotDir
 from . import metrics
 from .blocks import Block, Blocks, Shape, sweep_dead_nodes
+from .channel import ChannelServer
 from .placement import PG_LABEL, bundle_label, pg_gone, release_reaped, remove_pg
 from .stock import Stock
 from .transfer import SnapshotImports, fetch, rechunk
@@ -114,10 +115,24 @@ class SandboxHost:
             total=int(_number_env("RAY_SANDBOX_STOCK_MAX", 32)),
             idle_s=_number_env("RAY_SANDBOX_STOCK_IDLE_S", 30.0),
             share=_number_env("RAY_SANDBOX_STOCK_SHARE", 0.25))
+        self._channel = ChannelServer.start(Path(self._rt.home) / "host.sock", self._direct)
         threading.Thread(target=self._watch, name="ray-sandbox-pg-watch", daemon=True).start()
 
     def ping(self) -> str:
         return self.node_id
+
+    def channel(self) -> tuple[str, bytes] | None:
+        """Where callers on this node reach :meth:`exec` without an actor call, and the
+        token they need (``channel.py``); None if this host has no channel."""
+        if self._channel is None or self._retiring:
+            return None
+        return str(self._channel.path), self._channel.token
+
+    def _direct(self, op: str, sandbox_id: str, command: Any, kwargs: dict) -> Any:
+        """A call that came through the channel: exactly what the actor method does."""
+        if op != "exec":
+            raise ValueError(f"unknown channel operation {op!r}")
+        return self.exec(sandbox_id, command, **kwargs)
 
     def stock(self) -> dict[str, int]:
         """The stock's hits, misses, stocked sandboxes and target (``stock.py``)."""
@@ -360,6 +375,8 @@ class SandboxHost:
                 self._idle_since = now
                 return False
             self._retiring = True
+        if self._channel is not None:
+            self._channel.close()
         self._stock.close()
         self._rt.close()  # the stock's deletes and every other teardown finish first
         self._blocks.release_all()
