@@ -1,4 +1,4 @@
-"""Fixtures for the images tests, and the node's two default images for every test module.
+"""Fixtures for the images tests, and the node's default images for every test module.
 
 Everything here is real: a ``docker-registry`` process on a free loopback port, OCI layouts and
 archives written by the offline builders, skopeo and umoci. Scratch directories are removed and
@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from ray_sandbox.runtime import docker
 from ray_sandbox.runtime.image_builders import export_layout, serve_registry, write_busybox_layout
 from ray_sandbox.runtime.images import Image, ImageStore
 
@@ -122,3 +123,19 @@ def default_image() -> Image:
 def busybox_image() -> Image:
     """``ray-sandbox/busybox:latest`` in the node's default store."""
     return ImageStore().get("ray-sandbox/busybox:latest")
+
+
+@pytest.fixture(scope="session")
+def docker_image() -> Image:
+    """``ray-sandbox/docker:latest`` in the node's default store: built once per node
+    (~1.5-3 min: mmdebstrap, umoci, unpack), then a cache hit like the python image."""
+    return ImageStore().get(docker.DOCKER_IMAGE)
+
+
+@pytest.fixture(scope="session")
+def busybox_docker_archive(busybox_layout: Path) -> Iterator[Path]:
+    """The busybox image as a ``docker load``-able archive tagged ``lab/busybox:latest``."""
+    with scratch_dir("rsb-docker-archive-") as root:
+        path = root / "busybox.docker.tar"
+        export_layout(busybox_layout, "latest", f"docker-archive:{path}:lab/busybox:latest")
+        yield path

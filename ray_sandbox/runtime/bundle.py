@@ -31,7 +31,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import _mount, procfs
+from . import _mount, docker, procfs
 from .config import SandboxConfig, node_pids_limit
 from .errors import SandboxCreationError
 from .spec import (
@@ -268,6 +268,8 @@ def build_spec(
     for path, _, readonly, source in sdir.volume_binds(config):
         mounts.append(Mount(destination=path, type="bind", source=str(source),
                             options=["rbind", "ro" if readonly else "rw"]))
+    if config.docker:
+        mounts += docker.mounts(config)
 
     resources = Resources()
     if config.memory is not None:

@@ -43,6 +43,17 @@ DOCKER_DEFAULT_CAPABILITIES: tuple[str, ...] = (
     "CAP_AUDIT_WRITE",
 )
 
+# What Docker inside a sandbox needs (``docker=True``): Docker's default set plus the three
+# gVisor's "Docker in gVisor" tutorial lists for a nested Docker: NET_ADMIN (bridges, veths,
+# routes), SYS_ADMIN (overlay and namespace mounts, cgroups) and SYS_PTRACE (runc). They hold
+# inside gVisor's own kernel; docs/security.md ("Docker inside a sandbox") says what that opens.
+DOCKER_IN_SANDBOX_CAPABILITIES: tuple[str, ...] = (
+    *DOCKER_DEFAULT_CAPABILITIES, "CAP_NET_ADMIN", "CAP_SYS_ADMIN", "CAP_SYS_PTRACE",
+)
+# dockerd + containerd idle at ~60 MiB inside gVisor; below this a `docker run` OOM-kills the
+# whole sandbox (docs/docker.md, "Costs").
+DOCKER_MIN_MEMORY = 256 * 2**20
+
 _KNOWN_CAPS = frozenset(
     "CAP_" + n
     for n in (
@@ -219,6 +230,12 @@ class SandboxConfig(BaseModel):
         "no capabilities, with network 'none' or 'sandbox'; with 'public' it stays uid 0 in "
         "an identity-mapped user namespace of its own, with 'host' in the node's "
         "(docs/security.md)",
+    )
+    docker: bool = Field(
+        False,
+        description="run a Docker daemon inside the sandbox (docs/docker.md): needs "
+        "readonly=False, an image with dockerd (ray-sandbox/docker), and not network 'host'; "
+        "/var/lib/docker is a tmpfs of disk= bytes (default memory=) counted in memory=",
     )
     labels: dict[str, str] = Field(default_factory=dict)
     spec_transform: Callable[[dict[str, Any]], dict[str, Any] | None] | None = Field(
@@ -411,7 +428,28 @@ class SandboxConfig(BaseModel):
             raise ValueError("disk= needs rootful mode (a loop-mounted filesystem; as root)")
         if self.rootless is False and os.geteuid() != 0:
             raise ValueError("rootless=False needs root")
+        if self.docker:
+            self._docker_combinations()
         return self
+
+    def _docker_combinations(self) -> None:
+        """What ``docker=True`` cannot work with (docs/docker.md, "What does not work")."""
+        if self.readonly:
+            raise ValueError("docker=True needs readonly=False (dockerd writes /run, /etc "
+                             "and /var/lib)")
+        if self.network == "host":
+            raise ValueError("docker=True cannot use network='host': runsc would run the "
+                             "sentry in the node's user namespace with CAP_SYS_ADMIN and "
+                             "CAP_NET_ADMIN; use 'public' or 'sandbox'")
+        if self.effective_rootless:
+            raise ValueError("docker=True needs rootful mode (rootless=False, as root)")
+        if self.memory is not None and self.memory < DOCKER_MIN_MEMORY:
+            raise ValueError("docker=True needs memory of at least 256Mi (dockerd and "
+                             "containerd alone take ~60 MiB)")
+        if self.capabilities is not None:
+            missing = [c for c in DOCKER_IN_SANDBOX_CAPABILITIES if c not in self.capabilities]
+            if missing:
+                raise ValueError(f"docker=True needs the capabilities {', '.join(missing)}")
 
     @property
     def effective_rootless(self) -> bool:
@@ -420,7 +458,9 @@ class SandboxConfig(BaseModel):
 
     @property
     def effective_capabilities(self) -> tuple[str, ...]:
-        return DOCKER_DEFAULT_CAPABILITIES if self.capabilities is None else self.capabilities
+        if self.capabilities is not None:
+            return self.capabilities
+        return DOCKER_IN_SANDBOX_CAPABILITIES if self.docker else DOCKER_DEFAULT_CAPABILITIES
 
 
 # What a running, never-used sandbox can still take on when it is handed out (the record,

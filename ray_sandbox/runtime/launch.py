@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from . import _mount, bundle, disk, network, procfs
+from . import _mount, bundle, disk, docker, network, procfs
 from ._inotify import DirWatch
 from .agent.client import AgentClient
 from .bundle import SandboxDir
@@ -291,6 +291,8 @@ class Launcher:
         self.runsc.run_detached(sandbox_id, sdir.bundle, rec.runsc_flags,
                                 prefix=attachment.run_prefix, log_dir=sdir.path)
         client = self._wait_ready(sandbox_id, sdir)
+        if cfg.docker:  # ours, not user code: on the boot CPU limit, before the share
+            docker.start(client, sandbox_id, cfg.network)
         bundle.apply_cpu_share(sandbox_id, cfg)
         if cfg.workdir and not cfg.readonly:
             # Like a Dockerfile WORKDIR: it exists even if the image lacks it. Made through

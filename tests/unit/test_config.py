@@ -172,3 +172,22 @@ def test_boot_key_is_none_where_no_booted_sandbox_can_serve():
 
     assert boot_key(SandboxConfig(spec_transform=lambda s: s)) is None
     assert boot_key(SandboxConfig(readonly=True, workdir="/w")) is None
+
+
+def test_docker_gets_its_capabilities_and_refuses_what_cannot_work():
+    from ray_sandbox.runtime.config import DOCKER_IN_SANDBOX_CAPABILITIES
+
+    cfg = make_config(docker=True, readonly=False)
+    assert cfg.effective_capabilities == DOCKER_IN_SANDBOX_CAPABILITIES
+    assert {"CAP_SYS_ADMIN", "CAP_NET_ADMIN"} <= set(cfg.effective_capabilities)
+    assert "CAP_SYS_ADMIN" not in make_config(readonly=False).effective_capabilities
+    for kwargs, why in (({}, "readonly=False"),
+                        ({"readonly": False, "network": "host"}, "network='host'"),
+                        ({"readonly": False, "memory": "64Mi"}, "256Mi"),
+                        ({"readonly": False, "capabilities": DOCKER_DEFAULT_CAPABILITIES},
+                         "CAP_NET_ADMIN, CAP_SYS_ADMIN, CAP_SYS_PTRACE")):
+        with pytest.raises(ConfigError, match=why):
+            make_config(docker=True, **kwargs)
+    # every capability it needs, given explicitly, and unlimited memory are fine
+    make_config(docker=True, readonly=False, memory=None,
+                capabilities=DOCKER_IN_SANDBOX_CAPABILITIES)

@@ -147,3 +147,17 @@ def test_public_network_gets_an_identity_mapped_user_namespace():
         other = linux(**net)
         assert all(ns["type"] != "user" for ns in other["namespaces"]), net
         assert "uidMappings" not in other and "gidMappings" not in other, net
+
+
+def test_docker_adds_gvisors_cgroupfs_and_a_storage_tmpfs_sized_by_disk():
+    data = json.loads(_spec(docker=True, readonly=False, memory="1Gi", disk="2Gi").to_json())
+    dests = {m["destination"]: m for m in data["mounts"]}
+    assert dests["/sys/fs/cgroup"]["type"] == "cgroup"
+    assert dests["/var/lib/docker"]["type"] == "tmpfs"
+    assert f"size={2 * 2**30}" in dests["/var/lib/docker"]["options"]
+    assert "CAP_SYS_ADMIN" in data["process"]["capabilities"]["bounding"]
+    no_disk = json.loads(_spec(docker=True, readonly=False, memory="1Gi").to_json())
+    storage = [m for m in no_disk["mounts"] if m["destination"] == "/var/lib/docker"]
+    assert f"size={2**30}" in storage[0]["options"]  # memory= bounds it without disk=
+    plain = json.loads(_spec(readonly=False).to_json())
+    assert not {"/sys/fs/cgroup", "/var/lib/docker"} & {m["destination"] for m in plain["mounts"]}

@@ -1,0 +1,241 @@
+"""Docker inside a real gVisor sandbox (``docker=True``, docs/docker.md): ``docker load`` of
+a locally built image, ``docker run``, ``docker build``, ``docker-compose up``, the nested
+bridge network, the storage cap, and the outer isolation that must still hold.
+
+One Docker sandbox is shared by the module (a create with dockerd is ~2-5 s); the busybox
+image the nested containers run is the offline builder's, exported as a docker-archive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ray_sandbox.runtime import SandboxRuntime, SandboxState
+from ray_sandbox.runtime.docker import DOCKER_IMAGE
+from ray_sandbox.runtime.errors import ConfigError
+from tests.fx_hostile import host_ipv4_addresses
+
+BUSYBOX = "lab/busybox:latest"
+
+
+def sh(runtime: SandboxRuntime, sid: str, script: str, timeout: float = 120):
+    return runtime.exec(sid, ["/bin/sh", "-c", script], timeout=timeout)
+
+
+def ok(runtime: SandboxRuntime, sid: str, script: str, timeout: float = 120) -> str:
+    res = sh(runtime, sid, script, timeout)
+    assert res.exit_code == 0, (script, res.stdout[-2000:], res.stderr[-2000:])
+    return res.stdout
+
+
+def load_busybox(runtime: SandboxRuntime, sid: str, archive: Path) -> None:
+    runtime.upload_file(sid, archive, "/root/busybox.tar")
+    ok(runtime, sid, "docker load -i /root/busybox.tar && rm /root/busybox.tar")
+
+
+@pytest.fixture(scope="module")
+def box(runtime: SandboxRuntime, docker_image, busybox_docker_archive) -> Iterator[str]:
+    sid = runtime.create(image=DOCKER_IMAGE, docker=True, readonly=False, memory="1Gi",
+                         disk="1Gi", cpu=1)
+    try:
+        load_busybox(runtime, sid, busybox_docker_archive)
+        yield sid
+    finally:
+        runtime.delete(sid)
+
+
+def test_dockerd_is_up_when_create_returns(runtime, box):
+    info = ok(runtime, box, "docker info --format '{{.Driver}} {{.CgroupDriver}}'")
+    assert info.split() == ["overlay2", "cgroupfs"]
+    assert BUSYBOX in ok(runtime, box, "docker images --format '{{.Repository}}:{{.Tag}}'")
+
+
+def test_docker_run_of_a_loaded_image(runtime, box):
+    out = ok(runtime, box, f"docker run --rm {BUSYBOX} sh -c 'echo hello-$((6*7)); "
+                           "cat /proc/1/cmdline | tr \"\\0\" \" \"; echo; hostname'")
+    hello, pid1, hostname = out.splitlines()
+    assert hello == "hello-42"
+    assert pid1.startswith("sh -c")  # the nested container has its own PID namespace
+    assert hostname != runtime.exec(box, "hostname").stdout.strip()
+    assert ok(runtime, box, "docker ps -aq") == ""  # --rm removed it
+
+
+def test_docker_build_from_a_loaded_image(runtime, box):
+    marker = secrets.token_hex(6)
+    runtime.mkdir(box, "/root/ctx")
+    runtime.write_file(box, "/root/ctx/Dockerfile",
+                       f"FROM {BUSYBOX}\nRUN echo {marker} > /marker && mkdir /app\n"
+                       "COPY hello.sh /app/hello.sh\nCMD [\"sh\", \"/app/hello.sh\"]\n".encode())
+    runtime.write_file(box, "/root/ctx/hello.sh", b'echo "built $(cat /marker)"\n')
+    ok(runtime, box, "docker build -t lab/built /root/ctx")
+    assert ok(runtime, box, "docker run --rm lab/built").strip() == f"built {marker}"
+    # A failing RUN step is the build's failure, with the step and its exit code.
+    runtime.write_file(box, "/root/ctx/Dockerfile",
+                       f"FROM {BUSYBOX}\nRUN echo about-to-fail && exit 3\n".encode())
+    res = sh(runtime, box, "docker build --no-cache --force-rm -t lab/broken /root/ctx 2>&1")
+    assert res.exit_code != 0
+    assert "about-to-fail" in res.stdout and "returned a non-zero code: 3" in res.stdout
+
+
+def test_compose_up(runtime, box):
+    marker = secrets.token_hex(6)
+    runtime.mkdir(box, "/root/app")
+    runtime.write_file(box, "/root/app/docker-compose.yml", f"""
+version: "3"
+services:
+  web:
+    image: {BUSYBOX}
+    network_mode: host
+    command: ["sh", "-c", "mkdir -p /www && echo {marker} > /www/index.html && httpd -f -p 8080 -h /www"]
+  client:
+    image: {BUSYBOX}
+    network_mode: host
+    depends_on: [web]
+    command: ["sh", "-c", "for i in $$(seq 50); do nc 127.0.0.1 8080 </dev/null && break; sleep 0.1; done; printf 'GET / HTTP/1.0\\\\r\\\\n\\\\r\\\\n' | nc 127.0.0.1 8080 | tail -n 1"]
+""".encode())  # noqa: E501
+    try:
+        out = ok(runtime, box, "cd /root/app && docker-compose up --no-color "
+                               "--abort-on-container-exit --exit-code-from client 2>&1")
+        assert f"client_1  | {marker}" in out
+    finally:
+        ok(runtime, box, "cd /root/app && docker-compose down 2>&1")
+    assert ok(runtime, box, "docker ps -aq --filter name=app_") == ""
+
+
+def test_bridge_network_between_containers(runtime, box):
+    """Containers on a user network reach each other by address (Docker's embedded DNS
+    needs iptables, which gVisor lacks: docs/docker.md)."""
+    ok(runtime, box, "docker network create rsbnet >/dev/null")
+    try:
+        ok(runtime, box, f"docker run -d --name srv --network rsbnet {BUSYBOX} sh -c "
+                         "'mkdir /w && echo bridged > /w/index.html && httpd -f -p 80 -h /w'")
+        ip = ok(runtime, box, "docker inspect -f "
+                              "'{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}' srv")
+        out = ok(runtime, box, f"docker run --rm --network rsbnet {BUSYBOX} sh -c "
+                               f"\"printf 'GET / HTTP/1.0\\r\\n\\r\\n' | nc {ip.strip()} 80\"")
+        assert out.splitlines()[-1] == "bridged"
+    finally:
+        sh(runtime, box, "docker rm -f srv; docker network rm rsbnet")
+
+
+def test_docker_storage_is_capped(runtime, docker_image, busybox_docker_archive):
+    """/var/lib/docker holds at most disk= bytes: a container writing past it gets ENOSPC
+    and the sandbox (and its dockerd) keep running."""
+    sid = runtime.create(image=DOCKER_IMAGE, docker=True, readonly=False, memory="512Mi",
+                         disk="64Mi", cpu=1)
+    try:
+        size_kib = int(ok(runtime, sid, "df -k /var/lib/docker | awk 'NR==2 {print $2}'"))
+        assert size_kib == 64 * 1024
+        load_busybox(runtime, sid, busybox_docker_archive)
+        res = sh(runtime, sid, f"docker run --rm {BUSYBOX} dd if=/dev/zero of=/fill bs=1M "
+                               "count=100 2>&1")
+        assert res.exit_code != 0 and "No space left on device" in res.stdout, res.stdout
+        assert runtime.get_status(sid).state == SandboxState.RUNNING
+        ok(runtime, sid, f"docker run --rm {BUSYBOX} true")
+    finally:
+        runtime.delete(sid)
+
+
+# --- outer isolation with docker=True -------------------------------------------------------
+
+
+@contextlib.contextmanager
+def listener(addr: str) -> Iterator[tuple[int, list[bytes]]]:
+    """A TCP server on the host at ``addr`` that records every connection it accepts."""
+    hits: list[bytes] = []
+    srv = socket.create_server((addr, 0))
+    port = srv.getsockname()[1]
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            with conn:
+                hits.append(b"hit")
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        yield port, hits
+    finally:
+        with contextlib.suppress(OSError):
+            srv.shutdown(socket.SHUT_RDWR)  # wakes accept(); close() alone does not
+        srv.close()
+        t.join(timeout=5)
+
+
+@pytest.mark.parametrize("network", ["none", "public"])
+def test_outer_isolation_holds(runtime, docker_image, busybox_docker_archive, network):
+    """A nested container with every capability the sandbox has, on the sandbox's network
+    and PID namespace, sees the sandbox's processes, not the host's; reaches neither the
+    host's loopback (directly or through slirp4netns' gateway alias) nor the node's own
+    addresses; and its cgroups are gVisor's, not the host's. (``--privileged`` asks for
+    capabilities the sandbox does not have: runc refuses it, docs/docker.md.)"""
+    marker = f"{5000 + secrets.randbelow(1000)}.{secrets.randbelow(10**6)}"
+    host_proc = subprocess.Popen(["sleep", marker])
+    sid = runtime.create(image=DOCKER_IMAGE, docker=True, readonly=False, memory="1Gi",
+                         cpu=1, network=network)
+    try:
+        load_busybox(runtime, sid, busybox_docker_archive)
+        node_ips = host_ipv4_addresses()
+        assert node_ips, "no non-loopback address on this node to probe"
+        with listener("127.0.0.1") as (lo_port, lo_hits), listener("0.0.0.0") as (port, hits):
+            targets = [("127.0.0.1", lo_port), ("10.0.2.2", lo_port)]
+            targets += [(ip, port) for ip in node_ips]
+            probes = "; ".join(f"nc -w 2 {ip} {p} </dev/null && echo OPEN-{ip} "
+                               f"|| echo closed-{ip}" for ip, p in targets)
+            out = ok(runtime, sid, "docker run --rm --cap-add=SYS_ADMIN --cap-add=NET_ADMIN "
+                                   f"--network=host --pid=host {BUSYBOX} "
+                                   f"sh -c 'ps -o args; {probes}'", timeout=180)
+            time.sleep(0.2)  # a connection that did get through is counted by now
+        assert "dockerd" in out  # --pid=host shows the sandbox's own processes ...
+        assert marker not in out  # ... and never the host's
+        results = {line for line in out.splitlines() if line.startswith(("OPEN-", "closed-"))}
+        assert results == {f"closed-{ip}" for ip, _ in targets}, out
+        assert lo_hits == [] and hits == []
+        # Nested cgroups live in gVisor's cgroupfs: the host's tree gained nothing.
+        ok(runtime, sid, f"docker run -d --network=host --name held {BUSYBOX} sleep 60")
+        host_cg = Path("/sys/fs/cgroup/memory") / sid
+        assert host_cg.is_dir()
+        assert [p.name for p in host_cg.iterdir() if p.is_dir()] == []
+        assert "docker" in ok(runtime, sid, "ls /sys/fs/cgroup/memory/")  # inside: nested
+    finally:
+        runtime.delete(sid)
+        host_proc.kill()
+        host_proc.wait()
+
+
+# --- what docker=True refuses ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("kwargs", "why"), [
+    ({"readonly": True}, "readonly=False"),
+    ({"readonly": False, "network": "host"}, "network='host'"),
+    ({"readonly": False, "memory": "128Mi"}, "256Mi"),
+    ({"readonly": False, "capabilities": ["CAP_CHOWN"]}, "CAP_SYS_ADMIN"),
+])
+def test_impossible_combinations_are_config_errors(runtime, kwargs, why):
+    with pytest.raises(ConfigError, match=why):
+        runtime.create(image=DOCKER_IMAGE, docker=True, **kwargs)
+
+
+def test_an_image_without_dockerd_is_a_creation_error(runtime):
+    from ray_sandbox.runtime.errors import SandboxCreationError
+
+    before = set(runtime.list(all=True))
+    with pytest.raises(SandboxCreationError, match="dockerd did not start") as info:
+        runtime.create(image="ray-sandbox/busybox", docker=True, readonly=False,
+                       memory="256Mi")
+    assert "no dockerd" in (info.value.stderr or "")
+    assert set(runtime.list(all=True)) == before
