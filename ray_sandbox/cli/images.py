@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from ..runtime import docker  # noqa: F401 - adds ray-sandbox/docker to the local images
 from ..runtime.errors import SandboxError
 from ..runtime.images import LOCAL_NAMESPACE, Image, ImageStore, PullPolicy
 
@@ -118,12 +119,13 @@ def pull(
 @app.command()
 def build(
     ctx: typer.Context,
-    name: Annotated[str, typer.Argument(help="busybox | python | ray-sandbox/<name>:tag")] = (
-        "python"),
+    name: Annotated[str, typer.Argument(
+        help="busybox | python | docker | ray-sandbox/<name>:tag")] = "python",
     force: Annotated[bool, typer.Option("--force", help="rebuild even if present")] = False,
     as_json: AsJson = False,
 ) -> None:
-    """Build one of the offline images (ray-sandbox/busybox, ray-sandbox/python)."""
+    """Build one of the offline images (ray-sandbox/busybox, ray-sandbox/python, and
+    ray-sandbox/docker for docker=True)."""
     ref = name if "/" in name else f"{LOCAL_NAMESPACE}/{name}:latest"
     with _errors():
         store = _store(ctx)
