@@ -55,7 +55,7 @@ def _restarted(ray, host, old_pid: int) -> bool:
 def test_run_goes_through_the_channel_and_matches_exec(ray_cluster, sb):
     ray = ray_cluster
     channel.forget(sb._host)
-    assert channel.client_for(sb._host, sb.node_id) is not None  # the driver is on the node
+    assert channel.client_for(sb._host) is not None  # the driver is on the node
     for cmd in (["sh", "-c", "printf '\\377\\000x'; echo err >&2; exit 3"], "echo $X",):
         direct = sb.run(cmd, env={"X": "y"})
         via_ray = ray.get(sb.exec.remote(cmd, env={"X": "y"}))
@@ -83,12 +83,28 @@ def test_errors_through_the_channel_keep_their_type(ray_cluster):
 
 
 def test_a_caller_on_another_node_uses_ray(ray_cluster, sb):
-    assert channel.client_for(sb._host, "f" * 56) is None
+    channel.forget(sb._host)
+    assert channel.client_for(sb._host) is not None
+    node, client = channel._clients[sb._host._actor_id.hex()]
+    channel._clients[sb._host._actor_id.hex()] = ("f" * len(node), client)  # as seen elsewhere
+    try:
+        assert channel.client_for(sb._host) is None
+        assert sb.run("echo via-ray").stdout == "via-ray\n"
+    finally:
+        channel.forget(sb._host)
+
+
+def test_handles_from_list_and_get_use_it_too(ray_cluster, sb):
+    found = next(h for h in sandbox.list() if h.sandbox_id == sb.sandbox_id)
+    assert found.node_id is None  # list() does not say where; the channel asks the host
+    channel.forget(found._host)
+    assert channel.client_for(found._host) is not None
+    assert found.run("echo listed").stdout == "listed\n"
 
 
 def test_the_host_serves_token_holders_only_and_bounds_them(ray_cluster, sb):
     ray = ray_cluster
-    path, token = ray.get(sb._host.channel.remote())
+    _, path, token = ray.get(sb._host.channel.remote())
     assert os.stat(path).st_mode & 0o777 == 0o600
     assert _connect(path, b"x" * len(token)) is None  # closed without an answer
     big = _connect(path, token)
@@ -120,7 +136,7 @@ def test_the_host_serves_token_holders_only_and_bounds_them(ray_cluster, sb):
 def test_a_restarted_host_is_reached_again_and_the_old_token_refused(ray_cluster):
     ray = ray_cluster
     victim = sandbox.create(image="ray-sandbox/busybox", cpu=0.5, memory="64Mi")
-    path, old_token = ray.get(victim._host.channel.remote())
+    _, path, old_token = ray.get(victim._host.channel.remote())
     assert victim.run("true").exit_code == 0  # a pooled connection to this incarnation
     pid = host_pid(ray, victim._host)
     os.kill(pid, signal.SIGKILL)
@@ -133,8 +149,8 @@ def test_a_restarted_host_is_reached_again_and_the_old_token_refused(ray_cluster
     fresh = sandbox.create(image="ray-sandbox/busybox", cpu=0.5, memory="64Mi")
     try:
         assert fresh.run("echo back").stdout == "back\n"
-        new_path, new_token = ray.get(fresh._host.channel.remote())
+        _, new_path, new_token = ray.get(fresh._host.channel.remote())
         assert new_path == path and new_token != old_token
-        assert channel.client_for(fresh._host, fresh.node_id) is not None
+        assert channel.client_for(fresh._host) is not None
     finally:
         ray.get(fresh.terminate.remote())

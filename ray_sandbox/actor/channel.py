@@ -234,30 +234,33 @@ class _Client:
 
 
 _clients_lock = threading.Lock()
-_clients: dict[str, _Client | None] = {}  # host actor id -> its channel (None: it has none)
+# host actor id -> (its node, its channel); a host without a channel: (node, None)
+_clients: dict[str, tuple[str | None, _Client | None]] = {}
 
 
 def _key(host: Any) -> str:
     return host._actor_id.hex()
 
 
-def client_for(host: Any, node_id: str | None) -> _Client | None:
-    """The channel to ``host`` when it runs on this process's node, else None."""
-    if node_id is None or not ray.is_initialized() or \
-            ray.get_runtime_context().get_node_id() != node_id:
+def client_for(host: Any) -> _Client | None:
+    """The channel to ``host`` when it runs on this process's node, else None. The first
+    call per host in a process asks the host (one actor call); handles found by ``list`` or
+    ``get`` need not know their node."""
+    if not ray.is_initialized():
         return None
     key = _key(host)
     with _clients_lock:
-        if key in _clients:
-            return _clients[key]
-    try:
-        info = ray.get(host.channel.remote(), timeout=FRAME_S)
-    except Exception:  # noqa: BLE001 - no channel from this host now: Ray serves the call
-        return None
-    client = _Client(*info) if info is not None else None
-    with _clients_lock:
-        _clients[key] = client
-    return client
+        known = _clients.get(key)
+    if known is None:
+        try:
+            info = ray.get(host.channel.remote(), timeout=FRAME_S)
+        except Exception:  # noqa: BLE001 - no channel from this host now: Ray serves the call
+            return None
+        known = (info[0], _Client(info[1], info[2]) if info[1] else None)
+        with _clients_lock:
+            _clients[key] = known
+    node, client = known
+    return client if node == ray.get_runtime_context().get_node_id() else None
 
 
 def forget(host: Any) -> None:
@@ -265,8 +268,8 @@ def forget(host: Any) -> None:
     host's slots); the host is asked again next time."""
     with _clients_lock:
         client = _clients.pop(_key(host), None)
-    if client is not None:
-        client.close()
+    if client is not None and client[1] is not None:
+        client[1].close()
 
 
 __all__ = ["FRAME_S", "IDLE_S", "MAX_CONNECTIONS", "MAX_REQUEST", "ChannelServer",

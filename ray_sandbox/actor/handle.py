@@ -84,7 +84,7 @@ class SandboxHandle:
         arguments. From a process on the sandbox's node it skips Ray's actor call (~2 ms)
         through the host's node-local channel (``channel.py``); elsewhere it is
         ``ray.get(exec.remote(...))``."""
-        client = channel.client_for(self._host, self.node_id)
+        client = channel.client_for(self._host)
         if client is not None:
             try:
                 return client.call("exec", self.sandbox_id, command, kwargs)

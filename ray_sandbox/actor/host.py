@@ -121,12 +121,12 @@ class SandboxHost:
     def ping(self) -> str:
         return self.node_id
 
-    def channel(self) -> tuple[str, bytes] | None:
-        """Where callers on this node reach :meth:`exec` without an actor call, and the
-        token they need (``channel.py``); None if this host has no channel."""
+    def channel(self) -> tuple[str, str | None, bytes | None]:
+        """This host's node, where callers on that node reach :meth:`exec` without an actor
+        call and the token they need (``channel.py``); (node, None, None) without one."""
         if self._channel is None or self._retiring:
-            return None
-        return str(self._channel.path), self._channel.token
+            return self.node_id, None, None
+        return self.node_id, str(self._channel.path), self._channel.token
 
     def _direct(self, op: str, sandbox_id: str, command: Any, kwargs: dict) -> Any:
         """A call that came through the channel: exactly what the actor method does."""

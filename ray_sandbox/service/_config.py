@@ -52,6 +52,9 @@ class ServiceConfig(BaseModel):
     max_copies: int = Field(8, gt=0, description="copies one fork or restore makes")
     max_errored: int = Field(64, gt=0, description="failed creates kept per tenant for GET")
     create_threads: int = Field(16, gt=0, description="creates and listings run at once")
+    direct_exec_threads: int = Field(
+        32, ge=0, description="execs that may run at once through the node-local channel "
+        "(handle.run, one thread each, skipping an actor call); more go through Ray")
     call_timeout: float = Field(120.0, gt=0, description="bound on one call to a host")
     create_timeout: float = Field(600.0, gt=0, description="wait for room (and an image pull)")
     max_ongoing_requests: int = Field(1024, gt=0, description="per replica (long polls wait)")
