@@ -289,3 +289,103 @@ def test_restored_copy_keeps_dockerd_its_containers_and_images(runtime, restored
                    "docs/docker.md, 'What does not work'")
 def test_restored_copy_runs_bridged_containers(runtime, restored):
     ok(runtime, restored, f"docker run --rm {BUSYBOX} true")
+
+
+# --- Dockerfile builds in a build sandbox ---------------------------------------------------
+
+
+@pytest.fixture
+def build_cache(tmp_path, image_store) -> Iterator[Path]:
+    """A private cache of built archives; the images it made leave the node's store after."""
+    cache = tmp_path / "builds"
+    yield cache
+    for archive in cache.glob("*/image.docker.tar"):
+        with contextlib.suppress(Exception):
+            image_store.remove(f"docker-archive:{archive}")
+
+
+def test_dockerfile_build_lands_in_the_store_and_is_cached(runtime, docker_image, tmp_path,
+                                                           build_cache):
+    from ray_sandbox.runtime.docker import build_image
+
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    marker = secrets.token_hex(6)
+    (ctx / "Dockerfile").write_text("FROM ray-sandbox/busybox:latest\n"
+                                    f"RUN echo {marker} > /m\nCOPY f.txt /f.txt\n")
+    (ctx / "f.txt").write_text("one\n")
+    lines: list[str] = []
+    image = build_image(runtime, ctx, tag="lab/built:v1", cache_dir=build_cache,
+                        progress=lines.append)
+    assert any(line.startswith("Step 2/3 : RUN") for line in lines)  # streamed as it ran
+    sid = runtime.create(image=image.ref, memory="64Mi")
+    try:
+        assert runtime.exec(sid, "cat /m /f.txt").stdout.split() == [marker, "one"]
+    finally:
+        runtime.delete(sid)
+    again: list[str] = []
+    cached = build_image(runtime, ctx, tag="lab/built:v1", cache_dir=build_cache,
+                         progress=again.append)
+    assert cached.digest == image.digest
+    assert [line.split()[0] for line in again] == ["cached"]  # no build sandbox, no step
+    (ctx / "f.txt").write_text("two\n")  # a changed context is a new build
+    changed = build_image(runtime, ctx, tag="lab/built:v1", cache_dir=build_cache)
+    assert changed.digest != image.digest
+    assert len(list(build_cache.iterdir())) == 2
+
+
+def test_failing_dockerfile_build_is_a_typed_error(runtime, docker_image, tmp_path,
+                                                   build_cache):
+    from ray_sandbox.runtime.docker import build_image
+    from ray_sandbox.runtime.errors import ImageBuildError
+
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "Dockerfile").write_text("FROM ray-sandbox/busybox:latest\nRUN echo fine\n"
+                                    "RUN echo about-to-fail && exit 7\nRUN echo never\n")
+    before = set(runtime.list(all=True))
+    with pytest.raises(ImageBuildError) as info:
+        build_image(runtime, ctx, tag="lab/broken", cache_dir=build_cache)
+    assert info.value.step == "RUN echo about-to-fail && exit 7"
+    assert "about-to-fail" in info.value.log_tail
+    assert "returned a non-zero code: 7" in info.value.log_tail
+    assert set(runtime.list(all=True)) == before  # the build sandbox is gone
+    assert not list(build_cache.glob("*/image.docker.tar"))  # nothing cached
+    with pytest.raises(ImageBuildError, match="build arguments"):
+        (ctx / "Dockerfile").write_text("ARG B=x\nFROM $B\n")
+        build_image(runtime, ctx, tag="lab/broken", cache_dir=build_cache)
+
+
+def test_cli_builds_a_dockerfile(tmp_path, monkeypatch, docker_image, image_store):
+    """``ray-sandbox image build -f Dockerfile CONTEXT -t NAME``: the build sandbox lives in
+    a private home, the image lands in the node's store; a failing build exits 2 naming
+    the step."""
+    import json
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from ray_sandbox.cli.images import app
+
+    monkeypatch.setenv("RAY_SANDBOX_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("RAY_SANDBOX_IMAGES", str(image_store.root))
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    dockerfile = tmp_path / "Dockerfile.x"
+    dockerfile.write_text(f"FROM ray-sandbox/busybox:latest\nRUN echo {secrets.token_hex(6)}\n")
+    runner = CliRunner()
+    res = runner.invoke(app, ["build", "-f", str(dockerfile), str(ctx), "-t", "lab/cli:v1",
+                              "--json"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    (built,) = json.loads(res.stdout)
+    archive = Path(built["ref"].removeprefix("docker-archive:"))
+    try:
+        assert archive.is_file() and archive.parent.parent == image_store.root.parent / "builds"
+    finally:
+        image_store.remove(built["ref"])
+        shutil.rmtree(archive.parent)
+    dockerfile.write_text("FROM ray-sandbox/busybox:latest\nRUN exit 5\n")
+    res = runner.invoke(app, ["build", "-f", str(dockerfile), str(ctx), "-t", "lab/cli:v2"],
+                        env={"COLUMNS": "200"})
+    assert res.exit_code == 2, res.output
+    assert "ImageBuildError" in res.output and "RUN exit 5" in res.output

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ..runtime import docker  # noqa: F401 - adds ray-sandbox/docker to the local images
+from ..runtime import SandboxRuntime, docker  # docker: also ray-sandbox/docker's builder
 from ..runtime.errors import SandboxError
 from ..runtime.images import LOCAL_NAMESPACE, Image, ImageStore, PullPolicy
 
@@ -120,15 +120,39 @@ def pull(
 def build(
     ctx: typer.Context,
     name: Annotated[str, typer.Argument(
-        help="busybox | python | docker | ray-sandbox/<name>:tag")] = "python",
+        help="busybox | python | docker | ray-sandbox/<name>:tag; with -t: the build "
+             "CONTEXT directory")] = "python",
+    tag: Annotated[str | None, typer.Option(
+        "--tag", "-t", help="build a Dockerfile in a gVisor build sandbox, as this name")] = None,
+    file: Annotated[Path | None, typer.Option(
+        "--file", "-f", help="the Dockerfile (default CONTEXT/Dockerfile); needs -t")] = None,
+    network: Annotated[str, typer.Option(
+        help="the build sandbox's network for RUN steps: none | public | sandbox")] = "none",
+    memory: Annotated[str, typer.Option(
+        help="the build sandbox's memory (holds the bases and layers)")] = "2Gi",
     force: Annotated[bool, typer.Option("--force", help="rebuild even if present")] = False,
     as_json: AsJson = False,
 ) -> None:
-    """Build one of the offline images (ray-sandbox/busybox, ray-sandbox/python, and
-    ray-sandbox/docker for docker=True)."""
-    ref = name if "/" in name else f"{LOCAL_NAMESPACE}/{name}:latest"
+    """Build one of the offline images (ray-sandbox/busybox, ray-sandbox/python,
+    ray-sandbox/docker), or with -t a Dockerfile: ``image build -f Dockerfile CONTEXT -t
+    NAME`` runs every step under gVisor (docs/docker.md, "Dockerfile builds"), streams the
+    output to stderr and prints the image, whose REFERENCE is what sandboxes use."""
     with _errors():
         store = _store(ctx)
+        if tag is not None:
+            if force:
+                raise typer.BadParameter("--force does not apply to Dockerfile builds "
+                                         "(they are cached by content)")
+            with SandboxRuntime(images=store) as rt:
+                image = docker.build_image(rt, Path(name), tag=tag, dockerfile=file,
+                                           network=network, memory=memory,
+                                           progress=lambda line: err.print(line, markup=False,
+                                                                           highlight=False))
+            _show([image], store, as_json)
+            return
+        if file is not None:
+            raise typer.BadParameter("-f/--file needs -t/--tag (a Dockerfile build)")
+        ref = name if "/" in name else f"{LOCAL_NAMESPACE}/{name}:latest"
         with _progress(f"building {ref}") as progress:
             image = store.build(ref, force=force, progress=progress)
         _show([image], store, as_json)

@@ -25,13 +25,22 @@ start-dockerd.sh`` say:
 
 from __future__ import annotations
 
+import hashlib
+import os
+import re
 import shlex
+import stat
+import tempfile
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 from . import image_builders
 from .agent.client import AgentClient
 from .config import SandboxConfig
-from .errors import SandboxCreationError, SandboxError
-from .images import LOCAL_NAMESPACE
+from .errors import ImageBuildError, SandboxCreationError, SandboxError
+from .images import LOCAL_NAMESPACE, Image
 from .images.store import LOCAL_IMAGES
 from .spec import Mount
 
@@ -112,3 +121,180 @@ def start(client: AgentClient, sandbox_id: str, network: str) -> None:
             f"dockerd did not start (exit {res.exit_code}); is the image ray-sandbox/docker "
             "or one with docker.io?", sandbox_id=sandbox_id, stderr=res.stderr[-4000:],
         )
+
+
+# --- Dockerfile builds in a build sandbox -----------------------------------------------------
+
+BUILD_TIMEOUT = 1800.0
+BUILD_MEMORY = "2Gi"
+_BUILD_CACHE_VERSION = "1"  # part of every cache key: bump when the build itself changes
+_LOG_TAIL_KEEP = 60
+_FROM_RE = re.compile(r"^\s*FROM\s+(?:--platform=\S+\s+)?(\S+)(?:\s+AS\s+(\S+))?\s*$",
+                      re.IGNORECASE)
+_STEP_RE = re.compile(r"^Step \d+/\d+ : (.*)$")
+_DOCKER_REF_RE = re.compile(r"^[a-z0-9][a-z0-9._/-]*(:[A-Za-z0-9_.-]{1,128})?$")
+
+
+def base_images(dockerfile: str) -> list[str]:
+    """The images a Dockerfile's stages start ``FROM`` (not earlier stages, not scratch).
+    Build arguments in a ``FROM`` are refused: the base must be known before the build."""
+    stages: set[str] = set()
+    bases: list[str] = []
+    for line in dockerfile.splitlines():
+        m = _FROM_RE.match(line)
+        if not m:
+            continue
+        ref, alias = m.group(1), m.group(2)
+        if "$" in ref:
+            raise ImageBuildError(f"FROM {ref}: build arguments in FROM are not supported",
+                                  step=line.strip())
+        if ref.lower() not in stages and ref != "scratch" and ref not in bases:
+            if not _DOCKER_REF_RE.match(ref):
+                raise ImageBuildError(f"FROM {ref}: not a Docker image name this node's "
+                                      "image store can provide", step=line.strip())
+            bases.append(ref)
+        if alias:
+            stages.add(alias.lower())
+    if not bases and not stages and "scratch" not in dockerfile:
+        raise ImageBuildError("the Dockerfile has no FROM")
+    return bases
+
+
+def context_key(context: Path, dockerfile: bytes, base_digests: list[str], tag: str,
+                network: str) -> str:
+    """The cache key of a build: the Dockerfile, every path, mode, link target and file
+    content of the context, the bases' digests, the tag and the network mode."""
+    h = hashlib.sha256()
+
+    def add(*parts: str | bytes) -> None:
+        for part in parts:
+            data = part.encode() if isinstance(part, str) else part
+            h.update(len(data).to_bytes(8, "big") + data)
+
+    add(_BUILD_CACHE_VERSION, dockerfile, tag, network, *base_digests)
+    for dirpath, dirnames, filenames in os.walk(context):
+        dirnames.sort()
+        for name in sorted(dirnames + filenames):
+            path = Path(dirpath) / name
+            st = path.lstat()
+            rel = str(path.relative_to(context))
+            add(rel, oct(st.st_mode))
+            if stat.S_ISLNK(st.st_mode):
+                add(os.readlink(path))
+            elif stat.S_ISREG(st.st_mode):
+                fh = hashlib.sha256()
+                with path.open("rb") as f:
+                    for chunk in iter(lambda: f.read(1 << 20), b""):
+                        fh.update(chunk)
+                add(fh.digest())
+    return h.hexdigest()
+
+
+def _failed_step(lines: deque[str]) -> str | None:
+    steps = [m.group(1) for line in lines if (m := _STEP_RE.match(line))]
+    return steps[-1] if steps else None
+
+
+def build_image(
+    runtime: Any, context: Path | str, *, tag: str, dockerfile: Path | str | None = None,
+    network: str = "none", memory: str | int = BUILD_MEMORY, cpu: float | None = 1.0,
+    timeout: float = BUILD_TIMEOUT, progress: Callable[[str], None] | None = None,
+    cache_dir: Path | str | None = None,
+) -> Image:
+    """Build ``dockerfile`` (default ``context/Dockerfile``) with Docker inside a build
+    sandbox of ``runtime`` (a :class:`SandboxRuntime`) and import the result into its image
+    store; returns the stored :class:`Image` (use ``image.ref`` as a sandbox's image).
+
+    Nothing of the build runs on the host: the context is copied in, the ``FROM`` images
+    come from the node's image store (``docker load``), every ``RUN`` runs under gVisor with
+    the build sandbox's ``network`` (``none`` by default), and the image comes out as a
+    ``docker save`` archive. Cached by :func:`context_key`: the same Dockerfile, context and
+    bases give the stored image at once; the archives are kept in ``cache_dir`` (default
+    ``builds/`` beside the store). ``progress`` gets each line of output. A failing
+    build raises :class:`ImageBuildError` with the failing ``step`` and the ``log_tail``.
+    """
+    context = Path(context).resolve()
+    if not context.is_dir():
+        raise ImageBuildError(f"build context {context} is not a directory")
+    df_path = Path(dockerfile) if dockerfile is not None else context / "Dockerfile"
+    try:
+        df_bytes = df_path.read_bytes()
+    except OSError as exc:
+        raise ImageBuildError(f"cannot read the Dockerfile {df_path}: {exc}") from None
+    if not _DOCKER_REF_RE.match(tag):
+        raise ImageBuildError(f"tag {tag!r} is not a Docker image name (lowercase "
+                              "name[:tag])")
+    say = progress or (lambda _line: None)
+    store = runtime.images
+    bases = {ref: store.get(ref, progress=say) for ref in base_images(df_bytes.decode())}
+    key = context_key(context, df_bytes, [i.digest for i in bases.values()], tag, network)
+    cache = Path(cache_dir or Path(store.root).parent / "builds") / key
+    archive = cache / "image.docker.tar"
+    if archive.is_file():
+        say(f"cached {key[:12]}")
+        return store.get(f"docker-archive:{archive}")
+    sid = runtime.create(image=DOCKER_IMAGE, docker=True, readonly=False, memory=memory,
+                         cpu=cpu, network=network, labels={"ray-sandbox/role": "build"})
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".build-", dir=cache.parent) as tmp:
+            for i, (ref, image) in enumerate(bases.items()):
+                say(f"loading {ref}")
+                base_tar = Path(tmp) / f"base{i}.tar"
+                image_builders.export_layout(Path(image.rootfs).parent / "oci", "image",
+                                             f"docker-archive:{base_tar}:{ref}")
+                runtime.upload_file(sid, base_tar, f"/root/base{i}.tar")
+                base_tar.unlink()
+                _check(runtime.exec(sid, f"docker load -q -i /root/base{i}.tar && "
+                                         f"rm /root/base{i}.tar", timeout=timeout),
+                       f"docker load of {ref}")
+            runtime.upload_dir(sid, context, "/root/ctx")
+            runtime.write_file(sid, "/root/Dockerfile.rsb", df_bytes)
+            _run_build(runtime, sid, tag, timeout, say)
+            say(f"saving {tag}")
+            _check(runtime.exec(sid, f"docker save -o /root/image.tar {shlex.quote(tag)}",
+                                timeout=timeout), "docker save")
+            staged = Path(tmp) / "image.docker.tar"
+            runtime.download_file(sid, "/root/image.tar", staged, max_bytes=None)
+            cache.mkdir(parents=True, exist_ok=True)
+            os.replace(staged, archive)
+    finally:
+        runtime.delete(sid)
+    return store.get(f"docker-archive:{archive}", progress=say)
+
+
+def _run_build(runtime: Any, sid: str, tag: str, timeout: float,
+               say: Callable[[str], None]) -> None:
+    """``docker build`` (the classic builder: its ``Step N/M`` lines name a failing step),
+    RUN steps on the sandbox's own network; each output line goes to ``say``."""
+    argv = ["env", "DOCKER_BUILDKIT=0", "docker", "build", "--network=host", "--force-rm",
+            "-f", "/root/Dockerfile.rsb", "-t", tag, "/root/ctx"]
+    tail: deque[str] = deque(maxlen=_LOG_TAIL_KEEP)
+    pending = {"stdout": "", "stderr": ""}  # a line may arrive in pieces, per stream
+    result = None
+    for item in runtime.exec_stream(sid, argv, timeout=timeout):
+        if not hasattr(item, "data"):
+            result = item
+            continue
+        text = pending[item.stream] + item.data.decode("utf-8", errors="replace")
+        *lines, pending[item.stream] = text.split("\n")
+        for line in lines:
+            tail.append(line)
+            say(line)
+    for rest in pending.values():
+        if rest:
+            tail.append(rest)
+            say(rest)
+    if result is None or result.exit_code != 0 or result.timed_out:
+        step = _failed_step(tail)
+        why = "timed out" if result is not None and result.timed_out else (
+            f"exit {result.exit_code}" if result is not None else "no result")
+        raise ImageBuildError(f"docker build of {tag} failed ({why})"
+                              + (f" at: {step}" if step else ""),
+                              step=step, log_tail="\n".join(tail), sandbox_id=sid)
+
+
+def _check(res: Any, what: str) -> None:
+    if res.exit_code != 0:
+        raise ImageBuildError(f"{what} failed (exit {res.exit_code})",
+                              log_tail=(res.stdout + res.stderr)[-4000:])
