@@ -11,7 +11,11 @@ proxy, one keep-alive httpx connection):
   as one POST with ``wait_seconds`` that answers with the result;
 - ``exec round trip, Ray handle (baseline)``: ``ray.get(sb.exec.remote(...))`` on the same;
 - ``first streamed byte, HTTP``: POST .../execs/stream of ``echo x`` until the first
-  stdout line arrives.
+  stdout line arrives;
+- ``GET /health, HTTP``: Serve's own floor for one request.
+With ``--direct-ingress`` Ray is started with ``RAY_SERVE_ENABLE_DIRECT_INGRESS=1`` (Ray 2.60's
+feature flag: the ingress replica answers HTTP itself, on a port from 30000, beside the proxy)
+and the exec and health rows are also measured against the replica's own port.
 The goal: HTTP exec round trip p50 <= Ray-handle p50 + 3 ms.
 """
 
@@ -77,8 +81,24 @@ def _first_streamed_byte(c: httpx.Client, sid: str) -> None:
                 return
 
 
-def run(reps: int) -> list[dict]:
+def _replica_url(proxy_url: str) -> str:
+    """The ingress replica's own HTTP address (direct ingress), from Serve's controller: its
+    target groups (``ray.serve.schema.TargetGroup``) have no public getter in Ray 2.60."""
+    controller = ray.get_actor("SERVE_CONTROLLER_ACTOR", namespace="serve")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for group in ray.get(controller.get_target_groups.remote()):
+            for t in group.targets:
+                if str(group.protocol).endswith("HTTP") and t.port >= 30000:
+                    return proxy_url.replace(proxy_url.split("/")[2], f"127.0.0.1:{t.port}")
+        time.sleep(0.5)
+    raise RuntimeError("no direct-ingress replica port (is RAY_SERVE_ENABLE_DIRECT_INGRESS set?)")
+
+
+def run(reps: int, direct_ingress: bool = False) -> list[dict]:
     rows = []
+    if direct_ingress:  # before ray.init: the controller and replicas read it at start
+        os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"
     with tempfile.TemporaryDirectory(prefix="rsb-bench-service-") as tmp:
         os.environ["RAY_SANDBOX_HOME"] = str(Path(tmp) / "home")
         os.environ["RAY_SANDBOX_STOCK_MAX"] = "0"  # count boots, as the other benches do
@@ -117,6 +137,19 @@ def run(reps: int) -> list[dict]:
                                     reps * 5, warmup=3))
                 rows.append(measure("first streamed byte, HTTP",
                                     lambda: _first_streamed_byte(c, sid), reps * 2, warmup=1))
+                rows.append(measure("GET /health, HTTP (Serve's floor)",
+                                    lambda: c.get("/health"), reps * 5, warmup=3))
+                if direct_ingress:
+                    with httpx.Client(base_url=_replica_url(url), timeout=120,
+                                      headers=dict(c.headers)) as d:
+                        rows.append(measure(
+                            "exec round trip, HTTP direct ingress (one POST that waits)",
+                            lambda: _http_exec_waiting(d, sid), reps * 5, warmup=3))
+                        rows.append(measure("GET /health, HTTP direct ingress",
+                                            lambda: d.get("/health"), reps * 5, warmup=3))
+                    rows.append(measure("exec round trip, Ray handle (baseline, again)",
+                                        lambda: ray.get(same.exec.remote(["/bin/true"])),
+                                        reps * 5, warmup=3))
                 c.delete(f"/sandboxes/{sid}")
                 ray.get(warm.terminate.remote())
         finally:
@@ -129,8 +162,10 @@ def run(reps: int) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--direct-ingress", action="store_true",
+                    help="also measure Serve's direct ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS)")
     args = ap.parse_args()
-    rows = run(args.reps)
+    rows = run(args.reps, args.direct_ingress)
     emit("service", rows, notes="goal: HTTP exec round trip p50 <= Ray handle p50 + 3 ms")
 
 
