@@ -46,6 +46,18 @@ def test_guide_exec_with_streaming_stdout(sb):
     assert (p.stdout.read(), p.stderr.read(), p.wait()) == ("out\n", "err\n", 3)
 
 
+def test_stderr_streams_while_the_command_runs_and_stdout_is_kept_for_its_reader(sb):
+    p = sb.exec("sh", "-c", "echo o1; echo e1 >&2; while [ ! -e /run/go-err ]; do sleep 0.1; "
+                "done; echo o2; echo e2 >&2", bufsize=1)
+    lines = iter(p.stderr)
+    assert next(lines) == "e1\n"  # before the exit: it is still waiting for the file
+    assert p.poll() is None
+    sb.exec("touch", "/run/go-err").wait()
+    assert list(lines) == ["e2\n"]
+    assert p.stdout.read() == "o1\no2\n"  # read along with stderr, kept for this reader
+    assert p.wait() == 0
+
+
 def test_guide_stdin_multi_turn(sb):
     p = sb.exec("bash", "-c", "while read line; do echo $line; done")
     p.stdin.write(b"foo bar\n")

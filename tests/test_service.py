@@ -286,7 +286,7 @@ def test_streamed_output_arrives_before_the_command_exits(service: Service):
     with service.client() as c, service.client() as other:
         sid = create(c)
         assert wait_running(c, sid)["status"] == "running"
-        script = ("echo ready; while [ ! -e /tmp/go ]; do sleep 0.1; done; "
+        script = ("echo ready; echo warn >&2; while [ ! -e /tmp/go ]; do sleep 0.1; done; "
                   "echo done; echo err >&2; exit 5")
         with c.stream("POST", f"/sandboxes/{sid}/execs/stream",
                       json={"command": script}) as r:
@@ -294,17 +294,21 @@ def test_streamed_output_arrives_before_the_command_exits(service: Service):
             lines = _ndjson(r, keepalive=True)
             start = next(lines)
             assert start["type"] == "start" and start["exec_id"]
-            assert next(lines) == {"type": "stdout", "data": "ready\n"}
-            # the command is still waiting for /tmp/go: the line came before its exit, and
-            # while it is silent the stream carries keepalive lines
-            assert next(lines) == {"type": "keepalive"}
+            # the command is still waiting for /tmp/go: its stdout and its stderr came before
+            # its exit, and while it is silent the stream carries keepalive lines
+            early = []
+            while (line := next(lines))["type"] != "keepalive":
+                early.append(line)
+            assert sorted(early, key=lambda x: x["type"]) == [
+                {"type": "stderr", "data": "warn\n"}, {"type": "stdout", "data": "ready\n"}]
             other.put(f"/sandboxes/{sid}/files", params={"path": "/tmp/go"}, content=b"")
             rest = list(lines)
         out = "".join(x["data"] for x in rest if x["type"] == "stdout")
-        assert {x["type"] for x in rest} <= {"stdout", "keepalive", "exit"}
+        err = "".join(x["data"] for x in rest if x["type"] == "stderr")
+        assert {x["type"] for x in rest} <= {"stdout", "stderr", "keepalive", "exit"}
         last = rest[-1]
         assert out + last["stdout"] == "done\n"
-        assert (last["type"], last["exit_code"], last["stderr"]) == ("exit", 5, "err\n")
+        assert (last["type"], last["exit_code"], err + last["stderr"]) == ("exit", 5, "err\n")
 
         # its timeout kills it
         with c.stream("POST", f"/sandboxes/{sid}/execs/stream",

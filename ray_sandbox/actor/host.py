@@ -505,12 +505,14 @@ class SandboxHost:
         return key, proc.pid
 
     def process(self, key: str, op: str, *args: Any, **kw: Any) -> Any:
-        """Operate on a spawned process: write_stdin, close_stdin, read, wait, kill, resize."""
+        """Operate on a spawned process: write_stdin, close_stdin, read (stdout),
+        read_stderr, read_both (both, one call), wait, kill, resize, close."""
         with self._lock:
             proc = self._procs.get(key)
         if proc is None:
             raise SandboxNotFoundError(f"no such process {key}")
-        if op not in ("write_stdin", "close_stdin", "read", "wait", "kill", "resize", "close"):
+        if op not in ("write_stdin", "close_stdin", "read", "read_stderr", "read_both", "wait",
+                      "kill", "resize", "close"):
             raise ValueError(f"unknown process operation {op!r}")
         result = getattr(proc, op)(*args, **kw)
         if op == "close":

@@ -20,6 +20,7 @@ from ..runtime.results import ExecResult
 from ._aio import aiter_in_thread, dual
 
 _READ_WAIT_S = 0.5  # one read call waits this long for output before asking for the exit
+_PENDING_MAX = 16 << 20  # per stream, read from the host and not yet taken by its reader
 TIMED_OUT = -1  # Modal's exit code of an exec whose timeout ran out
 
 
@@ -40,8 +41,12 @@ class Process:
         self._handle = handle
         self._key, self.pid = ray.get(handle.spawn.remote(command, cwd=cwd, env=env))
         self._lock = threading.Lock()
+        self._pump_lock = threading.Lock()  # one read from the host at a time
         self._result: ExecResult | None = None
-        self._stdout_tail = b""  # stdout that arrived with the exit
+        # output read from the host and not yet taken: [stdout, stderr]. Both come in one
+        # read, so each stream's reader keeps the other's for it (bounded: a stream nobody
+        # reads loses what is over _PENDING_MAX, never the other stream)
+        self._pending = (bytearray(), bytearray())
         self._timed_out = False
         self._timer: threading.Timer | None = None
         if timeout is not None:
@@ -59,12 +64,17 @@ class Process:
         except (SandboxError, RayError):
             pass  # it exited (or its sandbox went) meanwhile: nothing left to kill
 
+    def _keep(self, out: bytes, err: bytes) -> None:
+        for buf, data in zip(self._pending, (out, err), strict=True):
+            buf += data[: max(_PENDING_MAX - len(buf), 0)]
+
     def _finished(self, result: ExecResult | None) -> ExecResult | None:
         if result is None:
             return None
         with self._lock:
             if self._result is None:
-                self._result, self._stdout_tail = result, result.stdout_bytes
+                self._result = result
+                self._keep(result.stdout_bytes, result.stderr_bytes)  # the unread rest
                 if self._timer is not None:
                     self._timer.cancel()
                 self._op("close")  # the host forgets it
@@ -76,35 +86,54 @@ class Process:
             return None
         return TIMED_OUT if self._timed_out else self._result.exit_code
 
+    # The result is set only under _pump_lock, after any output a read took was kept: a
+    # reader that sees the process finished has all of its stream in _pending.
     def poll(self) -> int | None:
-        if self._result is None:
-            self._finished(self._op("wait", 0))
+        with self._pump_lock:
+            if self._result is None:
+                self._finished(self._op("wait", 0))
         return self.returncode
 
     def wait(self) -> int:
         while self._result is None:
-            self._finished(self._op("wait", 5.0))
+            with self._pump_lock:
+                if self._result is None:
+                    self._finished(self._op("wait", 5.0))
         return self.returncode  # type: ignore[return-value]
 
-    def stdout_chunks(self) -> Iterator[bytes]:
-        """stdout as it arrives, until the process exits."""
-        while self._result is None:
-            data = self._op("read", _READ_WAIT_S)
-            if data:
-                yield data
+    def _pump(self) -> None:
+        """One read of both streams from the host (waiting up to _READ_WAIT_S), or the exit
+        when there was nothing."""
+        with self._pump_lock:
+            if self._result is not None:
+                return
+            out, err = self._op("read_both", _READ_WAIT_S)
+            if out or err:
+                with self._lock:
+                    self._keep(out, err)
             else:
                 self._finished(self._op("wait", 0))
-        with self._lock:
-            tail, self._stdout_tail = self._stdout_tail, b""
-        if tail:
-            yield tail
+
+    def _chunks(self, which: int) -> Iterator[bytes]:
+        """One stream (0 stdout, 1 stderr) as it arrives, until the process exited and all
+        of it was taken."""
+        while True:
+            with self._lock:
+                data = bytes(self._pending[which])
+                self._pending[which].clear()
+                done = self._result is not None
+            if data:
+                yield data
+            elif done:
+                return
+            else:
+                self._pump()
+
+    def stdout_chunks(self) -> Iterator[bytes]:
+        return self._chunks(0)
 
     def stderr_chunks(self) -> Iterator[bytes]:
-        """stderr, once the process exited (the host's process calls read stdout only)."""
-        self.wait()
-        assert self._result is not None
-        if self._result.stderr_bytes:
-            yield self._result.stderr_bytes
+        return self._chunks(1)
 
     def write(self, data: bytes) -> None:
         self._op("write_stdin", data)

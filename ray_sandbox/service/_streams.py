@@ -3,11 +3,11 @@ NDJSON lines while it runs, stopped by a signal, a ``DELETE``, the caller going 
 timeout. A plain exec (``POST .../execs``) is one Ray call that cannot be interrupted; a
 streamed one can.
 
-Lines: ``{"type": "start", "exec_id"}``, then ``{"type": "stdout", "data"}`` as output
-arrives (``{"type": "keepalive"}`` after a silence), then ``{"type": "exit",
-"exit_code", "stdout", "stderr", "timed_out", "signal", "truncated"}`` with the output not
-streamed yet (stderr comes here: the host's process API reads only stdout while a process
-runs), or ``{"type": "error", "code", "message"}``.
+Lines: ``{"type": "start", "exec_id"}``, then ``{"type": "stdout", "data"}`` and
+``{"type": "stderr", "data"}`` as output arrives (``{"type": "keepalive"}`` after a silence),
+then ``{"type": "exit", "exit_code", "stdout", "stderr", "timed_out", "signal",
+"truncated"}`` with the output not streamed yet, or ``{"type": "error", "code",
+"message"}``.
 """
 
 from __future__ import annotations
@@ -70,9 +70,12 @@ async def lines(stream: Stream, call: Call, timeout: float,
         yield _line(type="start", exec_id=stream.exec_id)
         sent = time.monotonic()
         while True:
-            data = await call(proc.remote(stream.key, "read", READ_WAIT))
-            if data:
-                yield _line(type="stdout", data=data.decode("utf-8", "replace"))
+            out, err = await call(proc.remote(stream.key, "read_both", READ_WAIT))
+            if out:
+                yield _line(type="stdout", data=out.decode("utf-8", "replace"))
+            if err:
+                yield _line(type="stderr", data=err.decode("utf-8", "replace"))
+            if out or err:
                 sent = time.monotonic()
                 continue
             if time.monotonic() - sent > keepalive:

@@ -137,6 +137,19 @@ class AgentProcess:
     def read_stderr(self, timeout: float | None = 0) -> bytes:
         return self._drain(self._err, timeout)
 
+    def read_both(self, timeout: float | None = 0) -> tuple[bytes, bytes]:
+        """Buffered (stdout, stderr), both drained; waits up to ``timeout`` seconds (None:
+        until either has some or the process ends) while both are empty. One call streams
+        both while the process runs."""
+        with self._cond:
+            if not self._out and not self._err and not self.done and \
+                    (timeout is None or timeout > 0):
+                self._cond.wait_for(lambda: bool(self._out or self._err) or self.done, timeout)
+            out, err = bytes(self._out), bytes(self._err)
+            self._out.clear()
+            self._err.clear()
+            return out, err
+
     def wait(self, timeout: float | None = None) -> ExecResult | None:
         """The result once the process exited (with the output not yet read), else None
         after ``timeout`` seconds."""
