@@ -331,7 +331,7 @@ def test_dockerfile_build_lands_in_the_store_and_is_cached(runtime, docker_image
     (ctx / "f.txt").write_text("two\n")  # a changed context is a new build
     changed = build_image(runtime, ctx, tag="lab/built:v1", cache_dir=build_cache)
     assert changed.digest != image.digest
-    assert len(list(build_cache.iterdir())) == 2
+    assert len([p for p in build_cache.iterdir() if p.is_dir()]) == 2
 
 
 def test_failing_dockerfile_build_is_a_typed_error(runtime, docker_image, tmp_path,

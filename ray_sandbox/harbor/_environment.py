@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import threading
 from pathlib import Path
 from typing import Any, Literal
@@ -24,9 +25,10 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..actor import SandboxHandle, SandboxTemplate, create_from_template
 from ..runtime import ExecResult as SandboxExecResult
-from ..runtime import OutputChunk, SandboxConfig
+from ..runtime import OutputChunk, SandboxConfig, SandboxRuntime, docker, paths
 from ..runtime.config import make_config
 from ..runtime.doctor import diagnose
+from ..runtime.images import ImageStore
 from . import _policy
 
 TIMEOUT_EXIT_CODE = 124  # what timeout(1) returns; Harbor tasks know it
@@ -34,8 +36,8 @@ TIMEOUT_EXIT_CODE = 124  # what timeout(1) returns; Harbor tasks know it
 
 # The SandboxConfig fields _template derives from the task and the trial; the `sandbox` option
 # refuses them, so that it never silently loses to (or overrides) the task.
-_TASK_FIELDS = ("image", "cpu", "memory", "env", "workdir", "readonly", "timeout_seconds",
-                "network", "egress", "labels")
+_TASK_FIELDS = ("image", "cpu", "memory", "disk", "env", "workdir", "readonly",
+                "timeout_seconds", "network", "egress", "labels")
 
 
 class RaySandboxOptions(EnvironmentOptions):
@@ -68,6 +70,25 @@ class RaySandboxOptions(EnvironmentOptions):
 
 
 _ray_lock = threading.Lock()
+_builder_lock = threading.Lock()
+_builder: SandboxRuntime | None = None
+
+
+def _build_runtime() -> SandboxRuntime:
+    """The runtime this process builds task Dockerfiles with: its own home beside the
+    node's, the node's image store (the built images and ray-sandbox/docker are cached
+    there for every trial)."""
+    global _builder
+    with _builder_lock:
+        if _builder is None:
+            _builder = SandboxRuntime(paths.home() / "harbor-builds", images=ImageStore())
+        return _builder
+
+
+def _image_tag(task_name: str) -> str:
+    """A Docker image name for a task's built image (lowercase, Docker's characters)."""
+    name = re.sub(r"[^a-z0-9._-]+", "-", task_name.lower()).strip(".-_") or "task"
+    return f"harbor/{name[:100]}:latest"
 
 
 def _join_ray(address: str | None) -> None:
@@ -91,9 +112,11 @@ def _node_problems() -> list[str]:
 class RaySandboxEnvironment(BaseEnvironment):
     """Runs each trial in a gVisor sandbox created through ``ray_sandbox.create``.
 
-    Needs ``[environment].docker_image`` (any reference the node's image store can pull: a
-    registry, ``oci:``, ``oci-archive:``, ``docker-archive:``); Dockerfile builds are not
-    supported. CPU and memory are reserved in Ray and enforced with cgroups.
+    Runs ``[environment].docker_image`` (any reference the node's image store can pull: a
+    registry, ``oci:``, ``oci-archive:``, ``docker-archive:``), or builds
+    ``environment/Dockerfile`` once per node inside gVisor (``runtime.docker.build_image``,
+    cached by content). CPU and memory are reserved in Ray and enforced with cgroups;
+    ``storage_mb`` is the sandbox's ``disk=``.
     """
 
     options_model = RaySandboxOptions
@@ -103,6 +126,7 @@ class RaySandboxEnvironment(BaseEnvironment):
         super().__init__(*args, **kwargs)
         self._sandbox: SandboxHandle | None = None
         self._shell: str | None = None
+        self._image: str | None = self.task_env_config.docker_image
         policies = [self._network_policy, *self._phase_network_policies]
         self._mode = _policy.start_mode(policies, self.options.network)
 
@@ -150,11 +174,22 @@ class RaySandboxEnvironment(BaseEnvironment):
             raise SystemExit(f"ray_sandbox cannot run sandboxes (run scripts/setup.sh): {detail}")
 
     def _validate_definition(self) -> None:
-        if not self.task_env_config.docker_image:
-            raise ValueError(
-                "the ray-sandbox environment runs prebuilt images only: set "
-                "[environment].docker_image in task.toml (Dockerfile builds are not supported)"
-            )
+        if self.task_env_config.docker_image:
+            return
+        if (self.environment_dir / "docker-compose.yaml").exists():
+            raise ValueError("the ray-sandbox environment does not run Compose tasks yet "
+                             "(environment/docker-compose.yaml); see docs/harbor.md")
+        if not (self.environment_dir / "Dockerfile").is_file():
+            raise ValueError("the ray-sandbox environment needs [environment].docker_image "
+                             "in task.toml or an environment/Dockerfile")
+
+    def _build_image(self) -> str:
+        """Build environment/Dockerfile in a gVisor build sandbox on this node (once: later
+        trials and runs get the cached image); returns the image's reference."""
+        image = docker.build_image(
+            _build_runtime(), self.environment_dir, tag=_image_tag(self.environment_name),
+            progress=lambda line: self.logger.debug(f"[build] {line}"))
+        return image.ref
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -163,11 +198,13 @@ class RaySandboxEnvironment(BaseEnvironment):
         cpu_request = self._resource_request_value("cpu", auto_mode=ResourceMode.GUARANTEE)
         mem_limit = self._resource_limit_value("memory", auto_mode=ResourceMode.GUARANTEE)
         mem_request = self._resource_request_value("memory", auto_mode=ResourceMode.GUARANTEE)
+        storage_mb = self._effective_storage_mb
         config = make_config(
             self.options.sandbox,
-            image=self.task_env_config.docker_image,
+            image=self._image,
             cpu=cpu_limit,
             memory=mem_limit * 2**20 if mem_limit else None,
+            disk=storage_mb * 2**20 if storage_mb else None,
             env=self._startup_env(),
             workdir=self.task_env_config.workdir,
             readonly=False,
@@ -186,6 +223,8 @@ class RaySandboxEnvironment(BaseEnvironment):
         return SandboxTemplate(config=config, resources=resources)
 
     async def start(self, force_build: bool) -> None:
+        if self._image is None:  # a Dockerfile task: built (or found cached) on this node
+            self._image = await asyncio.to_thread(self._build_image)
         template = self._template()
 
         def create() -> SandboxHandle:

@@ -25,6 +25,7 @@ start-dockerd.sh`` say:
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import re
@@ -233,10 +234,26 @@ def build_image(
     if archive.is_file():
         say(f"cached {key[:12]}")
         return store.get(f"docker-archive:{archive}")
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    # One build per key on the node at a time (concurrent trials of one task, several
+    # processes): the others wait here and then find it cached.
+    with open(cache.parent / f"{key}.lock", "wb") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if archive.is_file():
+            say(f"cached {key[:12]}")
+            return store.get(f"docker-archive:{archive}")
+        _build(runtime, context, df_bytes, bases, tag, network, memory, cpu, timeout, say,
+               cache, archive)
+    return store.get(f"docker-archive:{archive}", progress=say)
+
+
+def _build(runtime: Any, context: Path, df_bytes: bytes, bases: dict[str, Image], tag: str,
+           network: str, memory: str | int, cpu: float | None, timeout: float,
+           say: Callable[[str], None], cache: Path, archive: Path) -> None:
+    """The build itself, in a build sandbox that is deleted whatever happens."""
     sid = runtime.create(image=DOCKER_IMAGE, docker=True, readonly=False, memory=memory,
                          cpu=cpu, network=network, labels={"ray-sandbox/role": "build"})
     try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=".build-", dir=cache.parent) as tmp:
             for i, (ref, image) in enumerate(bases.items()):
                 say(f"loading {ref}")
@@ -260,7 +277,6 @@ def build_image(
             os.replace(staged, archive)
     finally:
         runtime.delete(sid)
-    return store.get(f"docker-archive:{archive}", progress=say)
 
 
 def _run_build(runtime: Any, sid: str, tag: str, timeout: float,
