@@ -51,8 +51,7 @@ _SUN_PATH_MAX = 107  # sockaddr_un.sun_path minus its NUL
 log = logging.getLogger(__name__)
 
 
-class Unavailable(Exception):  # noqa: N818 - a signal to use Ray, never seen by users
-    """The channel cannot take this call; nothing was sent, the caller uses the actor."""
+NOT_SENT = object()  # what call() returns when the channel could not take the call
 
 
 def _send(sock: socket.socket, payload: bytes) -> None:
@@ -184,7 +183,7 @@ class _Client:
         for sock, _ in idle:
             sock.close()
 
-    def _connect(self) -> socket.socket:
+    def _connect(self) -> socket.socket | None:
         with self._lock:
             while self._idle:
                 sock, since = self._idle.pop()
@@ -201,17 +200,21 @@ class _Client:
             _send(sock, self._token)
             if _recv_exact(sock, 1) != _ACK:
                 raise ConnectionError("no acknowledgement")
-        except (OSError, ConnectionError) as exc:
+        except (OSError, ConnectionError):
             sock.close()
-            raise Unavailable(str(exc)) from None
+            return None  # no host listening, refused (full, or another token): use Ray
         return sock
 
     def call(self, op: str, sandbox_id: str, command: Any, kwargs: dict) -> Any:
+        """The host's answer, or NOT_SENT when the channel could not take the call and
+        nothing was sent: the caller uses the actor call."""
         request = pickle.dumps((op, sandbox_id, command, kwargs),
                                protocol=pickle.HIGHEST_PROTOCOL)
         if len(request) > MAX_REQUEST:
-            raise Unavailable("request too large")
+            return NOT_SENT
         sock = self._connect()
+        if sock is None:
+            return NOT_SENT
         try:
             sock.settimeout(None)  # the host bounds the call (exec timeouts); its death is EOF
             _send(sock, request)
@@ -272,5 +275,5 @@ def forget(host: Any) -> None:
         client[1].close()
 
 
-__all__ = ["FRAME_S", "IDLE_S", "MAX_CONNECTIONS", "MAX_REQUEST", "ChannelServer",
-           "Unavailable", "client_for", "forget"]
+__all__ = ["FRAME_S", "IDLE_S", "MAX_CONNECTIONS", "MAX_REQUEST", "NOT_SENT", "ChannelServer",
+           "client_for", "forget"]

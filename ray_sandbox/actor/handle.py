@@ -86,10 +86,10 @@ class SandboxHandle:
         ``ray.get(exec.remote(...))``."""
         client = channel.client_for(self._host)
         if client is not None:
-            try:
-                return client.call("exec", self.sandbox_id, command, kwargs)
-            except channel.Unavailable:
-                channel.forget(self._host)  # asked again next time (a restarted host)
+            result = client.call("exec", self.sandbox_id, command, kwargs)
+            if result is not channel.NOT_SENT:
+                return result
+            channel.forget(self._host)  # asked again next time (a restarted host)
         return ray.get(self._host.exec.remote(self.sandbox_id, command, **kwargs))
 
     @property
