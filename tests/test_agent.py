@@ -19,6 +19,7 @@ from ray_sandbox.runtime.errors import (
 )
 from ray_sandbox.runtime.results import ExecResult, OutputChunk
 from tests.fx_agent import descendants, proc_table, read_until, wait_gone
+from tests.fx_hostile import wait_until
 
 
 def marked(marker: str) -> list[int]:
@@ -216,6 +217,16 @@ def test_spawn_signal_and_kill(native_agent):
     assert result is not None and result.exit_code == 143 and result.signal == signal.SIGTERM
     with pytest.raises(SandboxStateError):
         proc.write_stdin(b"x")
+    proc.close()
+
+
+def test_a_spawned_process_timeout_kills_its_tree_with_nobody_reading(native_agent):
+    proc = native_agent.client.spawn(["sh", "-c", "sleep 37.5 & exec sleep 37.6"], timeout=1)
+    assert wait_until(lambda: marked("sleep 37.5") and marked("sleep 37.6"), 0.9)
+    time.sleep(1.5)  # nobody waits or reads meanwhile: the agent enforces it
+    result = proc.wait(timeout=10)
+    assert result is not None and result.timed_out and result.signal == signal.SIGKILL
+    assert not wait_gone(marked("sleep 37.5")) and not wait_gone(marked("sleep 37.6"))
     proc.close()
 
 

@@ -107,7 +107,8 @@ class SandboxHandle:
     @property
     def spawn(self) -> _Method:
         """Start a background process -> ObjectRef[(process key, pid)]; drive it with
-        ``process.remote(key, "read" | "write_stdin" | "wait" | "kill" | ...)``."""
+        ``process.remote(key, "read" | "read_both" | "write_stdin" | "wait" | "kill" | ...)``.
+        ``timeout=`` kills its tree in the sandbox after that many seconds."""
         return _Method(lambda cmd, **kw: self._host.spawn.remote(self.sandbox_id, cmd, **kw))
 
     @property

@@ -12,10 +12,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import ray
-from ray.exceptions import RayError
 
 from ..actor.handle import SandboxHandle
-from ..runtime.errors import ModalInvalidError, SandboxError
+from ..runtime.errors import ModalInvalidError
 from ..runtime.results import ExecResult
 from ._aio import aiter_in_thread, dual
 
@@ -34,12 +33,14 @@ class StreamType(enum.Enum):
 
 class Process:
     """A process spawned through ``handle``; its exec ``timeout`` kills it (exit code -1)
-    whether or not anyone waits, as long as this client lives."""
+    in the sandbox's agent, whether or not anyone waits and whether or not this client
+    lives."""
 
     def __init__(self, handle: SandboxHandle, command: list[str], *, cwd: str | None,
                  env: dict[str, str] | None, timeout: float | None) -> None:
         self._handle = handle
-        self._key, self.pid = ray.get(handle.spawn.remote(command, cwd=cwd, env=env))
+        self._key, self.pid = ray.get(handle.spawn.remote(command, cwd=cwd, env=env,
+                                                           timeout=timeout))
         self._lock = threading.Lock()
         self._pump_lock = threading.Lock()  # one read from the host at a time
         self._result: ExecResult | None = None
@@ -47,22 +48,9 @@ class Process:
         # read, so each stream's reader keeps the other's for it (bounded: a stream nobody
         # reads loses what is over _PENDING_MAX, never the other stream)
         self._pending = (bytearray(), bytearray())
-        self._timed_out = False
-        self._timer: threading.Timer | None = None
-        if timeout is not None:
-            self._timer = threading.Timer(timeout, self._time_out)
-            self._timer.daemon = True
-            self._timer.start()
 
     def _op(self, op: str, *args: Any) -> Any:
         return ray.get(self._handle.process.remote(self._key, op, *args))
-
-    def _time_out(self) -> None:
-        self._timed_out = True
-        try:
-            self._op("kill", 9)
-        except (SandboxError, RayError):
-            pass  # it exited (or its sandbox went) meanwhile: nothing left to kill
 
     def _keep(self, out: bytes, err: bytes) -> None:
         for buf, data in zip(self._pending, (out, err), strict=True):
@@ -75,8 +63,6 @@ class Process:
             if self._result is None:
                 self._result = result
                 self._keep(result.stdout_bytes, result.stderr_bytes)  # the unread rest
-                if self._timer is not None:
-                    self._timer.cancel()
                 self._op("close")  # the host forgets it
             return self._result
 
@@ -84,7 +70,7 @@ class Process:
     def returncode(self) -> int | None:
         if self._result is None:
             return None
-        return TIMED_OUT if self._timed_out else self._result.exit_code
+        return TIMED_OUT if self._result.timed_out else self._result.exit_code
 
     # The result is set only under _pump_lock, after any output a read took was kept: a
     # reader that sees the process finished has all of its stream in _pending.

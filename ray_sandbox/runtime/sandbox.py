@@ -511,12 +511,15 @@ class SandboxRuntime:
         user: str | None = None,
         shell: str | None = None,
         pty: tuple[int, int] | None = None,
+        timeout: float | None = None,
     ) -> AgentProcess:
-        """Start a background process; the handle writes stdin, reads output, waits, kills."""
+        """Start a background process; the handle writes stdin, reads output, waits, kills.
+        ``timeout`` kills its tree after that many seconds (not the sandbox's exec default:
+        a background process runs until it ends unless asked)."""
         args = exec_args(self.records.get(sandbox_id), command, cwd=cwd, env=env, user=user,
                          shell=shell)
         args.pop("timeout")
-        return self._client(sandbox_id).spawn(**args, pty=pty)
+        return self._client(sandbox_id).spawn(**args, pty=pty, timeout=timeout)
 
     def open_pty(
         self, sandbox_id: str, command: str | list[str] = "/bin/sh", *, rows: int = 24,

@@ -432,9 +432,12 @@ class AgentClient:
         user: str | None = None,
         pty: tuple[int, int] | None = None,
         max_buffer_bytes: int = DEFAULT_MAX_OUTPUT,
+        timeout: float | None = None,
     ) -> AgentProcess:
-        """Starts a long-lived process on a dedicated connection (see :class:`AgentProcess`)."""
-        req = _exec_fields(argv, env, cwd, user, None, None, pty, self.sandbox_id)
+        """Starts a long-lived process on a dedicated connection (see :class:`AgentProcess`).
+        ``timeout``: the agent kills its whole tree after that many seconds (the result says
+        ``timed_out``), whether or not anyone is reading; None: it runs until it ends."""
+        req = _exec_fields(argv, env, cwd, user, timeout, None, pty, self.sandbox_id)
         check_int(max_buffer_bytes, "max_buffer_bytes", self.sandbox_id)
         conn = self._connect_busy()  # a quiesce waits until it is an AgentProcess
         try:
