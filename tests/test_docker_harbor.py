@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fx_hostile import wait_until
+from tests.fx_hostile import heavy, wait_until
 from tests.fx_images import scratch_dir
 from tests.fx_runtime import leftovers, leftovers_after_teardown
 from tests.test_harbor import HARBOR, processes_mentioning, trials
@@ -61,7 +61,8 @@ timeout_sec = 120
     return task
 
 
-def run_in_harbor_venv(argv: list[str], work: Path, images: Path) -> str:
+def run_in_harbor_venv(argv: list[str], work: Path, images: Path,
+                       timeout: float = 300) -> str:
     """tests/test_harbor.py's runner, with the node's image store instead of a private one
     (the Docker image the build needs is built once per node and cached there)."""
     home = work / "home"
@@ -70,7 +71,7 @@ def run_in_harbor_venv(argv: list[str], work: Path, images: Path) -> str:
     proc = subprocess.Popen(argv, env=env, cwd=work, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        out = proc.communicate(timeout=300)[0].decode(errors="replace")
+        out = proc.communicate(timeout=timeout)[0].decode(errors="replace")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)  # the group this test started
@@ -84,9 +85,26 @@ def run_in_harbor_venv(argv: list[str], work: Path, images: Path) -> str:
     return out
 
 
+def forget_new_builds(image_store, before: set[Path]) -> None:
+    """Remove the builds (archives, their store images, lock files) made since ``before``."""
+    builds = image_store.root.parent / "builds"
+    for path in (set(builds.iterdir()) - before) if builds.is_dir() else ():
+        archive = path / "image.docker.tar"
+        if archive.is_file():
+            image_store.remove(f"docker-archive:{archive}")
+            shutil.rmtree(path)
+        elif path.is_file():
+            path.unlink(missing_ok=True)
+
+
+def builds_now(image_store) -> set[Path]:
+    builds = image_store.root.parent / "builds"
+    return set(builds.iterdir()) if builds.is_dir() else set()
+
+
 def test_dockerfile_task_is_built_in_gvisor_and_trialled(docker_image, image_store):
     builds = image_store.root.parent / "builds"
-    before = set(builds.iterdir()) if builds.is_dir() else set()
+    before = builds_now(image_store)
     with scratch_dir("rsb-harbor-docker-") as work:
         task = write_task(work)
         config = {
@@ -112,10 +130,42 @@ def test_dockerfile_task_is_built_in_gvisor_and_trialled(docker_image, image_sto
             # both trials, started together, shared one build (its lock file and its dir)
             assert len([p for p in made if p.is_dir()]) == 1, made
         finally:
-            for path in set(builds.iterdir()) - before if builds.is_dir() else ():
-                archive = path / "image.docker.tar"
-                if archive.is_file():
-                    image_store.remove(f"docker-archive:{archive}")
-                    shutil.rmtree(path)
-                else:
-                    path.unlink(missing_ok=True)
+            forget_new_builds(image_store, before)
+
+
+TASKS = Path(__file__).resolve().parent.parent / "examples" / "harbor_tasks"
+
+
+@heavy
+def test_offline_task_set_oracle_1_nop_0_at_concurrency_4(docker_image, default_image,
+                                                          image_store):
+    """``harbor run`` of examples/harbor_tasks (8 Dockerfile tasks FROM the offline images)
+    with the oracle and the no-op agent at ``n_concurrent_trials=4``: every oracle trial
+    scores 1.0, every nop trial 0.0, and each task was built once. Measured 2026-12-02: 150 s
+    for the 16 trials and 8 builds on the shared 2-core VM at load average ~3.7."""
+    tasks = sorted(p for p in TASKS.iterdir() if (p / "task.toml").is_file())
+    before = builds_now(image_store)
+    with scratch_dir("rsb-harbor-set-") as work:
+        config = {
+            "job_name": "set", "jobs_dir": str(work / "jobs"), "n_concurrent_trials": 4,
+            "quiet": True,
+            "environment": {"import_path": "ray_sandbox.harbor:RaySandboxEnvironment"},
+            "agents": [{"name": "oracle"}, {"name": "nop"}],
+            "tasks": [{"path": str(t)} for t in tasks],
+        }
+        (work / "job.json").write_text(json.dumps(config))
+        try:
+            run_in_harbor_venv([str(HARBOR), "run", "-c", str(work / "job.json"), "-y"], work,
+                               images=image_store.root, timeout=1200)
+            results = [json.loads(p.read_text()) for p in (work / "jobs" / "set").glob(
+                "*/result.json")]
+            got = {(r["task_name"], r["agent_info"]["name"]):
+                   (r.get("verifier_result") or {}).get("rewards", {}).get("reward")
+                   for r in results}
+            want = {(t.name, agent): 1.0 if agent == "oracle" else 0.0
+                    for t in tasks for agent in ("oracle", "nop")}
+            assert got == want
+            made = [p for p in builds_now(image_store) - before if p.is_dir()]
+            assert len(made) == len(tasks)
+        finally:
+            forget_new_builds(image_store, before)
