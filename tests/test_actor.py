@@ -119,11 +119,14 @@ def test_named_get_list_and_get_if_exists(ray_cluster):
 DRIVER = textwrap.dedent(
     """
     import ray, ray_sandbox as sandbox
-    ray.init(address="auto", namespace="x")
+    ray.init(namespace="x")  # RAY_ADDRESS: this test's cluster, not whichever ran last
     a = sandbox.create(image="ray-sandbox/busybox", cpu=0.1, memory="64Mi", name="owned")
     b = sandbox.create(image="ray-sandbox/busybox", cpu=0.1, memory="64Mi", name="kept",
                        lifetime="detached")
-    print(a.sandbox_id, b.sandbox_id, flush=True)
+    # copies follow the same rule: tied to this job unless detached
+    c = sandbox.fork(b, lifetime="detached")[0]
+    d = sandbox.fork(b)[0]
+    print(a.sandbox_id, b.sandbox_id, c.sandbox_id, d.sandbox_id, flush=True)
     """
 )
 
@@ -131,18 +134,22 @@ DRIVER = textwrap.dedent(
 def test_owner_tied_and_detached_lifetimes(ray_cluster):
     ray = ray_cluster
     out = subprocess.run([sys.executable, "-c", DRIVER], capture_output=True, text=True,
-                         timeout=120)
+                         timeout=120, env={**os.environ, "RAY_ADDRESS":
+                                           ray.get_runtime_context().gcs_address})
     assert out.returncode == 0, out.stderr[-2000:]
-    owned, kept = out.stdout.split()
+    owned, kept, kept_copy, owned_copy = out.stdout.split()
     deadline = time.time() + 20
     while time.time() < deadline:
         ids = {h.sandbox_id for h in sandbox.list()}
-        if owned not in ids:
+        if owned not in ids and owned_copy not in ids:
             break
         time.sleep(0.25)
     assert owned not in ids, "the driver's sandbox outlived its driver"
-    assert kept in ids, "the detached sandbox died with its driver"
-    ray.get(sandbox.get("kept").terminate.remote())
+    assert owned_copy not in ids, "the driver's copy outlived its driver"
+    assert kept in ids and kept_copy in ids, "a detached sandbox died with its driver"
+    for h in sandbox.list():
+        if h.sandbox_id in (kept, kept_copy):
+            ray.get(h.terminate.remote())
 
 
 def test_files_through_ray_byte_exact(ray_cluster, tmp_path):

@@ -19,7 +19,7 @@ from .copies import delete_snapshot
 from .handle import SandboxHandle
 from .host import NAME_LABEL, NAMESPACE
 from .hosts import all_hosts, ask_hosts, forget_hosts
-from .placement import Placement
+from .placement import Placement, check_lifetime
 from .routing import router
 from .template import SandboxTemplate, make_template
 
@@ -54,7 +54,7 @@ def create(
     driver. ``name`` makes it findable with :func:`get`; with ``get_if_exists`` an existing one
     of that name is returned.
     """
-    _check_lifetime(lifetime)
+    check_lifetime(lifetime)
     if name and get_if_exists:
         try:
             return get(name, namespace=namespace)
@@ -62,11 +62,6 @@ def create(
             pass
     return create_from_template(_template(image, config, template, options), name=name,
                                 namespace=namespace, lifetime=lifetime, timeout=timeout)
-
-
-def _check_lifetime(lifetime: str | None) -> None:
-    if lifetime not in (None, "detached"):
-        raise ConfigError("lifetime must be None or 'detached'")
 
 
 def _template(image: str | None, config: SandboxConfig | None,
@@ -112,7 +107,7 @@ def create_many(
     if not isinstance(n, int) or n < 1:
         raise ConfigError(f"n must be a positive int, got {n!r}")
     t = _template(image, config, template, options)
-    _check_lifetime(lifetime)
+    check_lifetime(lifetime)
     results = admit(t, n, lifetime=lifetime, timeout=timeout)
     errors = {i: r for i, r in enumerate(results) if isinstance(r, SandboxError)}
     made = [r for r in results if isinstance(r, SandboxHandle)]
@@ -133,23 +128,24 @@ def create_many(
 
 def restore(
     snapshot: Snapshot, k: int = 1, *, placement: Placement = "local",
-    timeout: float | None = None,
+    timeout: float | None = None, lifetime: Literal["detached"] | None = None,
 ) -> builtins.list[SandboxHandle]:
     """``k`` new sandboxes from a snapshot, each with its own Ray reservation (the source's
     resources). ``placement`` is ``"local"`` (the snapshot's node), ``"any"`` or a node id;
     on another node the snapshot's files are fetched from the node that holds them, once.
-    All or nothing: if one copy fails, the others are deleted and the error raised."""
-    return [SandboxHandle(**c._asdict())
-            for c in copies.restore(snapshot, k, placement=placement, timeout=timeout)]
+    All or nothing: if one copy fails, the others are deleted and the error raised. Copies
+    die with the calling job unless ``lifetime="detached"``, as with :func:`create`."""
+    return [SandboxHandle(**c._asdict()) for c in copies.restore(
+        snapshot, k, placement=placement, timeout=timeout, lifetime=lifetime)]
 
 
 def fork(
     handle: SandboxHandle, k: int = 1, *, placement: Placement = "local",
-    timeout: float | None = None,
+    timeout: float | None = None, lifetime: Literal["detached"] | None = None,
 ) -> builtins.list[SandboxHandle]:
     """``k`` running copies of a sandbox (snapshot + ``restore``; the snapshot is deleted
-    afterwards). See :func:`restore` for ``placement``."""
-    return handle.fork(k, placement=placement, timeout=timeout)
+    afterwards). See :func:`restore` for ``placement`` and ``lifetime``."""
+    return handle.fork(k, placement=placement, timeout=timeout, lifetime=lifetime)
 
 
 def resume(

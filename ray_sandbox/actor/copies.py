@@ -16,7 +16,7 @@ from ..runtime.errors import ConfigError, SandboxNotFoundError
 from ..runtime.snapshot import Snapshot
 from .host import NAME_LABEL, SUSPENDED_LABEL, current_job
 from .hosts import ask_hosts, call_host
-from .placement import Placement, copy_bundle, copy_node, remove_pg, reserve
+from .placement import Placement, check_lifetime, copy_bundle, copy_node, remove_pg, reserve
 
 
 class Copy(NamedTuple):
@@ -27,31 +27,35 @@ class Copy(NamedTuple):
 
 
 def _restore_on(node: str, pg_hex: str, snapshot: Snapshot, name: str | None = None,
-                sandbox_id: str | None = None) -> Copy:
-    """One copy on ``node`` under the reservation ``pg_hex`` (released if it fails)."""
-    job = current_job()
+                sandbox_id: str | None = None, lifetime: str | None = None) -> Copy:
+    """One copy on ``node`` under the reservation ``pg_hex`` (released if it fails); it dies
+    with the calling job unless ``lifetime="detached"``."""
+    job = None if lifetime == "detached" else current_job()
     host, sid = call_host(node, lambda h: h.restore.remote(
         snapshot, pg_hex, name, sandbox_id, owner_job=job), pg_hex)
     return Copy(sid, host, node, name)
 
 
 def restore(snapshot: Snapshot, k: int = 1, *, placement: Placement = "local",
-            timeout: float | None = None) -> list[Copy]:
+            timeout: float | None = None, lifetime: str | None = None) -> list[Copy]:
     """``k`` copies of ``snapshot``, all or nothing: if one fails, the others are deleted
     and the error raised."""
     if k < 1:
         raise ConfigError(f"k must be at least 1, got {k}")
+    check_lifetime(lifetime)
     bundle = copy_bundle(snapshot)
     node_id = copy_node(snapshot, placement)
     copies: list[Copy] = []
     reserved: list[tuple[str, str]] = []
     try:
         for _ in range(k):
-            reserved.append(reserve(bundle, node_id=node_id, timeout=timeout))
+            reserved.append(reserve(bundle, node_id=node_id, lifetime=lifetime,
+                                    timeout=timeout))
         # from here each copy's reservation is released by call_host if the copy fails
         work, reserved = reserved, []
         with ThreadPoolExecutor(max_workers=min(k, 32)) as ex:
-            futures = [ex.submit(_restore_on, node, pg_hex, snapshot) for pg_hex, node in work]
+            futures = [ex.submit(_restore_on, node, pg_hex, snapshot, lifetime=lifetime)
+                       for pg_hex, node in work]
         errors = []
         for f in futures:
             try:
@@ -70,12 +74,12 @@ def restore(snapshot: Snapshot, k: int = 1, *, placement: Placement = "local",
 
 
 def fork(host: Any, sandbox_id: str, k: int = 1, *, placement: Placement = "local",
-         timeout: float | None = None) -> list[Copy]:
+         timeout: float | None = None, lifetime: str | None = None) -> list[Copy]:
     """``k`` running copies of a sandbox on ``host`` (snapshot + :func:`restore`; the
     snapshot is deleted afterwards)."""
     snap = ray.get(host.snapshot.remote(sandbox_id))
     try:
-        return restore(snap, k, placement=placement, timeout=timeout)
+        return restore(snap, k, placement=placement, timeout=timeout, lifetime=lifetime)
     finally:
         delete_snapshot(snap)
 

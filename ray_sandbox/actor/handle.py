@@ -164,12 +164,13 @@ class SandboxHandle:
         becomes SUSPENDED until ``ray_sandbox.resume(handle or name)``."""
         return _Method(lambda: self._host.suspend.remote(self.sandbox_id))
 
-    def fork(self, k: int = 1, *, placement: str = "local",
-             timeout: float | None = None) -> list[SandboxHandle]:
+    def fork(self, k: int = 1, *, placement: str = "local", timeout: float | None = None,
+             lifetime: str | None = None) -> list[SandboxHandle]:
         """``k`` running copies, each with its own reservation (blocks until all are ready;
         see ``ray_sandbox.fork``)."""
         return [SandboxHandle(**c._asdict()) for c in copies.fork(
-            self._host, self.sandbox_id, k, placement=placement, timeout=timeout)]
+            self._host, self.sandbox_id, k, placement=placement, timeout=timeout,
+            lifetime=lifetime)]
 
     # --- files inside the sandbox ----------------------------------------------------------
 

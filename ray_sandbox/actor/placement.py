@@ -47,6 +47,12 @@ def node_alive(node_id: str) -> bool:
     return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
 
 
+def check_lifetime(lifetime: str | None) -> None:
+    """Ray's two lifetimes: the caller's job's (None) or ``"detached"``."""
+    if lifetime not in (None, "detached"):
+        raise ConfigError("lifetime must be None or 'detached'")
+
+
 def reserve(
     bundle: Mapping[str, float], *, node_id: str | None = None,
     label_selector: Mapping[str, str] | None = None, name: str | None = None,

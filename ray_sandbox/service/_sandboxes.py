@@ -336,12 +336,14 @@ class Sandboxes:
         """``count`` running copies of a snapshot (all or none), charged like their source."""
         kept = self.kept(tenant, snapshot_id)
         return await self._copies(kept.source, count, partial(
-            actor.restore, kept.snapshot, count, timeout=self._config.create_timeout))
+            actor.restore, kept.snapshot, count, timeout=self._config.create_timeout,
+            lifetime="detached"))
 
     async def fork(self, entry: Entry, count: int) -> list[str]:
         """``count`` running copies of a running sandbox."""
         return await self._copies(entry, count, partial(
-            actor.fork, entry.handle, count, timeout=self._config.create_timeout))
+            actor.fork, entry.handle, count, timeout=self._config.create_timeout,
+            lifetime="detached"))
 
     async def _copies(self, source: Entry, count: int, make: Any) -> list[str]:
         async with self._locks.setdefault(source.tenant, asyncio.Lock()):
