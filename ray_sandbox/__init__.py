@@ -33,7 +33,15 @@ _LAZY = {name: "ray_sandbox.runtime" for name in _RUNTIME} | {
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        try:
+            module = importlib.import_module(_LAZY[name])
+        except ModuleNotFoundError as exc:
+            if exc.name != "ray":
+                raise
+            raise ImportError(f"ray_sandbox.{name} is the Ray layer, which needs Ray: pip "
+                              "install 'ray_sandbox[ray]' (the runtime, the CLI and the "
+                              "client work without it)", name="ray") from None
+        return getattr(module, name)
     raise AttributeError(f"module 'ray_sandbox' has no attribute {name!r}")
 
 
