@@ -5,6 +5,7 @@ venv with only the client's dependencies, where ``import ray`` fails."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -63,9 +64,12 @@ def test_client_streams_output_and_moves_directories(service: Service, tmp_path)
         items = list(sb.exec_stream("echo one; echo two >&2; exit 2"))
         chunks, result = items[:-1], items[-1]
         assert isinstance(result, ExecResult) and result.exit_code == 2
-        assert "".join(x.text for x in chunks if isinstance(x, OutputChunk)) + \
-            result.stdout == "one\n"
-        assert result.stderr == "two\n"
+        def streamed(name: str) -> str:
+            return "".join(x.text for x in chunks if x.stream == name)
+
+        assert all(isinstance(x, OutputChunk) for x in chunks)
+        assert streamed("stdout") + result.stdout == "one\n"
+        assert streamed("stderr") + result.stderr == "two\n"
         # leaving the loop early kills the command in the sandbox
         for chunk in sb.exec_stream("echo go; sleep 654"):
             assert chunk.text == "go\n"
@@ -172,3 +176,47 @@ def test_the_client_works_in_a_venv_without_ray(service: Service, tmp_path):
                    "missing": "SandboxFileNotFoundError", "ray_imported": False}
     with SandboxClient(service.url, TOKENS["alice"]) as c:
         assert c.list({"suite": "no-ray"}) == []
+
+
+def test_the_cli_drives_a_service_with_url_and_token(service: Service, tmp_path):
+    cli = str(Path(sys.executable).parent / "ray-sandbox")
+    env = {**os.environ, "RAY_SANDBOX_URL": service.url, "RAY_SANDBOX_API_TOKEN":
+           TOKENS["alice"]}
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([cli, *args], env=env, capture_output=True, text=True,
+                              timeout=300, cwd=tmp_path)
+
+    made = run("create", "--image", "ray-sandbox/busybox", "--cpu", "0.25", "--memory",
+               "64Mi", "-e", "WHO=cli", "--json")
+    assert made.returncode == 0, made.stderr
+    sid = json.loads(made.stdout)["sandbox_id"]
+    try:
+        out = run("exec", sid, "--", "sh", "-c", "echo $WHO; exit 3")
+        assert (out.returncode, out.stdout) == (3, "cli\n"), out.stderr
+        (tmp_path / "up").mkdir()
+        (tmp_path / "up" / "a.txt").write_text("dir file")
+        (tmp_path / "one.txt").write_text("one file")
+        for src, dst in (("up", f"{sid}:/tmp/up"), ("one.txt", f"{sid}:/tmp/one.txt"),
+                         (f"{sid}:/tmp/up", "down"), (f"{sid}:/tmp/one.txt", "back.txt")):
+            cp = run("cp", src, dst)
+            assert cp.returncode == 0, (src, dst, cp.stderr)
+        assert (tmp_path / "down" / "a.txt").read_text() == "dir file"
+        assert (tmp_path / "back.txt").read_text() == "one file"
+        listed = json.loads(run("ps", "--json").stdout)
+        assert [r["state"] for r in listed if r["sandbox_id"] == sid] == ["running"]
+        gc = run("gc")
+        assert gc.returncode == 2 and "this node's sandboxes only" in gc.stderr
+    finally:
+        assert run("rm", sid).returncode == 0
+    with SandboxClient(service.url, TOKENS["alice"]) as c:
+        assert sid not in {sb.sandbox_id for sb in c.list()}
+    # run: a fresh sandbox for one command, deleted after it
+    once = run("run", "--image", "ray-sandbox/busybox", "--memory", "64Mi", "--", "echo", "x")
+    assert (once.returncode, once.stdout) == (0, "x\n"), once.stderr
+    with SandboxClient(service.url, TOKENS["alice"]) as c:
+        assert c.list() == []
+    no_token = subprocess.run([cli, "--url", service.url, "ps"], capture_output=True,
+                              text=True, timeout=120,
+                              env={k: v for k, v in env.items() if k != "RAY_SANDBOX_API_TOKEN"})
+    assert no_token.returncode == 2 and "needs a token" in no_token.stderr

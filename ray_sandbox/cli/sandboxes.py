@@ -1,4 +1,5 @@
-"""Sandbox commands: run, create, exec, ps, rm, gc, cp, logs."""
+"""Sandbox commands: run, create, exec, ps, rm, gc, cp, logs. Given a service URL (``--url`` or
+``RAY_SANDBOX_URL``), run, create, exec, ps, rm and cp go to the service (``_remote``)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from rich.table import Table
 
 from ..runtime import SandboxConfig, SandboxRuntime
 from ..runtime.errors import ConfigError, SandboxError
+from . import _remote
 from ._options import Opts, sandbox_config
 
 app = typer.Typer()
@@ -81,10 +83,12 @@ def run(
     try:
         config = _config(opt, env, image=image, cpu=cpu, memory=memory, network=network,
                          readonly=readonly, workdir=workdir)
-        with SandboxRuntime() as rt:
-            sid = rt.create(config)
-            cmd = command[0] if len(command) == 1 else command
-            res = rt.exec(sid, cmd, timeout=timeout)
+        cmd = command[0] if len(command) == 1 else command
+        if (service := _remote.client()) is not None:
+            res = _remote.run(service, config, cmd, timeout)
+        else:
+            with SandboxRuntime() as rt:
+                res = rt.exec(rt.create(config), cmd, timeout=timeout)
     except SandboxError as exc:
         raise _fail(exc) from None
     _print_result(res, as_json)
@@ -103,7 +107,10 @@ def create(
     try:
         config = _config(opt, env, image=image, cpu=cpu, memory=memory, network=network,
                          readonly=readonly, workdir=workdir, ttl_seconds=ttl)
-        sid = SandboxRuntime().create(config, detach=True)
+        if (service := _remote.client()) is not None:
+            sid = _remote.create(service, config)
+        else:
+            sid = SandboxRuntime().create(config, detach=True)
     except SandboxError as exc:
         raise _fail(exc) from None
     typer.echo(json.dumps({"sandbox_id": sid}) if as_json else sid)
@@ -120,9 +127,14 @@ def exec_(
 ) -> None:
     """Run a command in an existing sandbox. Exits with the command's code."""
     try:
-        rt = SandboxRuntime(reap=False)
         cmd = command[0] if len(command) == 1 else command
-        res = rt.exec(sandbox_id, cmd, timeout=timeout, cwd=cwd, user=user)
+        if (service := _remote.client()) is not None:
+            if user is not None:
+                raise ConfigError("--user is not offered by the service")
+            res = _remote.exec_(service, sandbox_id, cmd, timeout, cwd)
+        else:
+            res = SandboxRuntime(reap=False).exec(sandbox_id, cmd, timeout=timeout, cwd=cwd,
+                                                  user=user)
     except SandboxError as exc:
         raise _fail(exc) from None
     _print_result(res, as_json)
@@ -131,7 +143,24 @@ def exec_(
 
 @app.command()
 def ps(as_json: bool = typer.Option(False, "--json")) -> None:
-    """List every sandbox on this node with its real state."""
+    """List every sandbox on this node with its real state (a service's: this tenant's)."""
+    try:
+        service = _remote.client()
+        rows = _remote.ps(service) if service is not None else _local_ps()
+    except SandboxError as exc:
+        raise _fail(exc) from None
+    if as_json:
+        typer.echo(json.dumps(rows))
+        return
+    table = Table("ID", "STATE", "IMAGE", "NETWORK", "CREATED", "OWNER")
+    for r in rows:
+        state = r["state"] + (f" ({r['reason']})" if r["reason"] else "")
+        table.add_row(r["sandbox_id"][:12], state, r["image"], r["network"] or "",
+                      r["created_at"] or "", str(r["owner_pid"] or "detached"))
+    Console().print(table)
+
+
+def _local_ps() -> list[dict[str, Any]]:
     rt = SandboxRuntime(reap=False)
     rows = []
     for sid in rt.list(all=True):
@@ -146,25 +175,19 @@ def ps(as_json: bool = typer.Option(False, "--json")) -> None:
             "created_at": st.created_at.isoformat() if st.created_at else None,
             "owner_pid": rec.owner_pid,
         })
-    if as_json:
-        typer.echo(json.dumps(rows))
-        return
-    table = Table("ID", "STATE", "IMAGE", "NETWORK", "CREATED", "OWNER")
-    for r in rows:
-        state = r["state"] + (f" ({r['reason']})" if r["reason"] else "")
-        table.add_row(r["sandbox_id"][:12], state, r["image"], r["network"],
-                      r["created_at"] or "", str(r["owner_pid"] or "detached"))
-    Console().print(table)
+    return rows
 
 
 @app.command()
 def rm(sandbox_ids: list[str]) -> None:
     """Delete sandboxes (idempotent)."""
-    rt = SandboxRuntime(reap=False)
     code = 0
     for sid in sandbox_ids:
         try:
-            rt.delete(sid)
+            if (service := _remote.client()) is not None:
+                _remote.rm(service, sid)
+            else:
+                SandboxRuntime(reap=False).delete(sid)
             typer.echo(sid)
         except SandboxError as exc:
             err.print(f"[red]error:[/red] {exc}")
@@ -175,6 +198,10 @@ def rm(sandbox_ids: list[str]) -> None:
 @app.command()
 def gc(as_json: bool = typer.Option(False, "--json")) -> None:
     """Remove sandboxes whose owner died, expired ones, and orphaned runsc state."""
+    try:
+        _remote.refuse("gc")
+    except SandboxError as exc:
+        raise _fail(exc) from None
     removed = SandboxRuntime(reap=False).gc()
     if as_json:
         typer.echo(json.dumps({"removed": removed}))
@@ -187,7 +214,6 @@ def gc(as_json: bool = typer.Option(False, "--json")) -> None:
 @app.command()
 def cp(src: str, dst: str) -> None:
     """Copy files or directories between host and sandbox: ``ID:/path`` names a sandbox path."""
-    rt = SandboxRuntime(reap=False)
 
     def split(s: str) -> tuple[str | None, str]:
         head, sep, tail = s.partition(":")
@@ -196,19 +222,25 @@ def cp(src: str, dst: str) -> None:
         return None, s
 
     (s_id, s_path), (d_id, d_path) = split(src), split(dst)
+    if bool(s_id) == bool(d_id):
+        raise typer.BadParameter("exactly one side must be SANDBOX_ID:/path")
     try:
-        if s_id and not d_id:
+        if (service := _remote.client()) is not None:
+            if s_id:
+                _remote.cp(service, s_id, s_path, Path(d_path), upload=False)
+            else:
+                _remote.cp(service, d_id, d_path, Path(s_path), upload=True)
+            return
+        rt = SandboxRuntime(reap=False)
+        if s_id:
             if rt.stat(s_id, s_path).type.value == "directory":
                 rt.download_dir(s_id, s_path, Path(d_path))
             else:
                 rt.download_file(s_id, s_path, Path(d_path))
-        elif d_id and not s_id:
-            if Path(s_path).is_dir():
-                rt.upload_dir(d_id, Path(s_path), d_path)
-            else:
-                rt.upload_file(d_id, Path(s_path), d_path)
+        elif Path(s_path).is_dir():
+            rt.upload_dir(d_id, Path(s_path), d_path)
         else:
-            raise typer.BadParameter("exactly one side must be SANDBOX_ID:/path")
+            rt.upload_file(d_id, Path(s_path), d_path)
     except SandboxError as exc:
         raise _fail(exc) from None
 
@@ -216,6 +248,10 @@ def cp(src: str, dst: str) -> None:
 @app.command()
 def logs(sandbox_id: str) -> None:
     """Print runsc's log for a sandbox (boot errors, panics)."""
+    try:
+        _remote.refuse("logs")
+    except SandboxError as exc:
+        raise _fail(exc) from None
     rt = SandboxRuntime(reap=False)
     rt.record(sandbox_id)
     path = rt.sandboxes_dir / sandbox_id / "runsc.err"

@@ -116,10 +116,11 @@ class AsyncSandboxClient:
             return done.value
 
     async def create(self, image: str | None = None, *, timeout: float = 600.0,
-                     **options: Any) -> AsyncSandbox:
+                     detach: bool = False, **options: Any) -> AsyncSandbox:
         body = {**options, **({"image": image} if image is not None else {})}
         sb = AsyncSandbox(self, await self._run(_ops.create(body, timeout)))
-        self._made[sb.sandbox_id] = sb
+        if not detach:
+            self._made[sb.sandbox_id] = sb
         return sb
 
     async def get(self, sandbox_id: str) -> AsyncSandbox:

@@ -113,12 +113,14 @@ class SandboxClient:
             return done.value
 
     def create(self, image: str | None = None, *, timeout: float = 600.0,
-               **options: Any) -> Sandbox:
+               detach: bool = False, **options: Any) -> Sandbox:
         """A running sandbox; ``options`` are SandboxConfig's (cpu, memory, env, labels, …).
-        Waits up to ``timeout`` seconds for it to start."""
+        Waits up to ``timeout`` seconds for it to start. It is deleted when this client
+        closes, unless ``detach``."""
         body = {**options, **({"image": image} if image is not None else {})}
         sb = Sandbox(self, self._run(_ops.create(body, timeout)))
-        self._made[sb.sandbox_id] = sb
+        if not detach:
+            self._made[sb.sandbox_id] = sb
         return sb
 
     def get(self, sandbox_id: str) -> Sandbox:
