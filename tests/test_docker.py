@@ -69,6 +69,25 @@ def test_docker_run_of_a_loaded_image(runtime, box):
     assert ok(runtime, box, "docker ps -aq") == ""  # --rm removed it
 
 
+def test_docker_exec_into_a_container_that_shares_the_sandbox_pid_namespace(runtime, box):
+    ok(runtime, box, f"docker run -d --pid=host --name pidhost {BUSYBOX} sleep 600")
+    try:
+        assert ok(runtime, box, "docker exec pidhost echo exec-ok").strip() == "exec-ok"
+    finally:
+        sh(runtime, box, "docker rm -f pidhost")
+
+
+@pytest.mark.xfail(strict=True, reason="runsc 0.0~20240729 cannot setns into a nested PID "
+                   "namespace: 'OCI runtime exec failed: ... error executing setns process'; "
+                   "run containers that need docker exec with --pid=host (docs/docker.md)")
+def test_docker_exec_into_a_container_with_its_own_pid_namespace(runtime, box):
+    ok(runtime, box, f"docker run -d --name ownpid {BUSYBOX} sleep 600")
+    try:
+        ok(runtime, box, "docker exec ownpid true")
+    finally:
+        sh(runtime, box, "docker rm -f ownpid")
+
+
 def test_docker_build_from_a_loaded_image(runtime, box):
     marker = secrets.token_hex(6)
     runtime.mkdir(box, "/root/ctx")

@@ -6,11 +6,15 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import shlex
+import tempfile
 import threading
+import uuid
 from pathlib import Path
 from typing import Any, Literal
 
 import ray
+import yaml
 from harbor.environments.base import BaseEnvironment, ExecResult
 from harbor.environments.capabilities import (
     EnvironmentCapabilities,
@@ -28,10 +32,13 @@ from ..runtime import ExecResult as SandboxExecResult
 from ..runtime import OutputChunk, SandboxConfig, SandboxRuntime, docker, paths
 from ..runtime.config import make_config
 from ..runtime.doctor import diagnose
+from ..runtime.image_builders import export_layout
 from ..runtime.images import ImageStore
-from . import _policy
+from . import _compose, _policy
 
 TIMEOUT_EXIT_CODE = 124  # what timeout(1) returns; Harbor tasks know it
+# A Compose task's sandbox holds dockerd and every service's image in memory (docs/docker.md)
+_COMPOSE_MIN_MEMORY = 2**30
 
 
 # The SandboxConfig fields _template derives from the task and the trial; the `sandbox` option
@@ -115,8 +122,9 @@ class RaySandboxEnvironment(BaseEnvironment):
     Runs ``[environment].docker_image`` (any reference the node's image store can pull: a
     registry, ``oci:``, ``oci-archive:``, ``docker-archive:``), or builds
     ``environment/Dockerfile`` once per node inside gVisor (``runtime.docker.build_image``,
-    cached by content). CPU and memory are reserved in Ray and enforced with cgroups;
-    ``storage_mb`` is the sandbox's ``disk=``.
+    cached by content), or a Compose task's services with Docker inside the trial's
+    sandbox, ``exec`` and files going to its ``main`` service (``_compose``). CPU and
+    memory are reserved in Ray and enforced with cgroups; ``storage_mb`` is ``disk=``.
     """
 
     options_model = RaySandboxOptions
@@ -127,6 +135,11 @@ class RaySandboxEnvironment(BaseEnvironment):
         self._sandbox: SandboxHandle | None = None
         self._shell: str | None = None
         self._image: str | None = self.task_env_config.docker_image
+        # A Compose task: one Docker sandbox runs the services, exec goes to `main`.
+        self._compose = (not self._image
+                         and (self.environment_dir / "docker-compose.yaml").is_file())
+        self._main: str | None = None  # the main service's container id
+        self._main_shell = "/bin/sh"
         policies = [self._network_policy, *self._phase_network_policies]
         self._mode = _policy.start_mode(policies, self.options.network)
 
@@ -176,9 +189,10 @@ class RaySandboxEnvironment(BaseEnvironment):
     def _validate_definition(self) -> None:
         if self.task_env_config.docker_image:
             return
-        if (self.environment_dir / "docker-compose.yaml").exists():
-            raise ValueError("the ray-sandbox environment does not run Compose tasks yet "
-                             "(environment/docker-compose.yaml); see docs/harbor.md")
+        compose = self.environment_dir / "docker-compose.yaml"
+        if compose.is_file():
+            _compose.rewrite(yaml.safe_load(compose.read_text()) or {})  # needs a main
+            return
         if not (self.environment_dir / "Dockerfile").is_file():
             raise ValueError("the ray-sandbox environment needs [environment].docker_image "
                              "in task.toml or an environment/Dockerfile")
@@ -199,14 +213,20 @@ class RaySandboxEnvironment(BaseEnvironment):
         mem_limit = self._resource_limit_value("memory", auto_mode=ResourceMode.GUARANTEE)
         mem_request = self._resource_request_value("memory", auto_mode=ResourceMode.GUARANTEE)
         storage_mb = self._effective_storage_mb
+        memory = mem_limit * 2**20 if mem_limit else None
+        compose = {}
+        if self._compose:  # dockerd and every service share the sandbox's limits
+            compose = {"docker": True}
+            memory = None if memory is None else max(memory, _COMPOSE_MIN_MEMORY)
         config = make_config(
             self.options.sandbox,
-            image=self._image,
+            image=docker.DOCKER_IMAGE if self._compose else self._image,
             cpu=cpu_limit,
-            memory=mem_limit * 2**20 if mem_limit else None,
+            memory=memory,
             disk=storage_mb * 2**20 if storage_mb else None,
-            env=self._startup_env(),
-            workdir=self.task_env_config.workdir,
+            env={} if self._compose else self._startup_env(),
+            workdir=None if self._compose else self.task_env_config.workdir,
+            **compose,
             readonly=False,
             timeout_seconds=None,  # Harbor's timeout_sec=None means no timeout
             network=self._mode,
@@ -223,8 +243,8 @@ class RaySandboxEnvironment(BaseEnvironment):
         return SandboxTemplate(config=config, resources=resources)
 
     async def start(self, force_build: bool) -> None:
-        if self._image is None:  # a Dockerfile task: built (or found cached) on this node
-            self._image = await asyncio.to_thread(self._build_image)
+        if self._image is None and not self._compose:  # a Dockerfile task: built (or
+            self._image = await asyncio.to_thread(self._build_image)  # cached) here
         template = self._template()
 
         def create() -> SandboxHandle:
@@ -236,6 +256,8 @@ class RaySandboxEnvironment(BaseEnvironment):
             # Harbor's agents rely on bash (pipefail, arrays) where the image has it.
             has_bash = await self._sandbox.exists.remote("/bin/bash")
             self._shell = "/bin/bash" if has_bash else None
+            if self._compose:
+                await self._compose_up()
             await self.ensure_dirs(self._mount_targets(writable_only=True))
             await self._upload_environment_dir_after_start()
         except BaseException:
@@ -253,6 +275,59 @@ class RaySandboxEnvironment(BaseEnvironment):
             await sandbox.terminate.remote()
         except RayError as exc:
             self.logger.error(f"deleting sandbox {sandbox.sandbox_id} failed: {exc}")
+
+    # --- compose tasks -------------------------------------------------------------------------
+
+    async def _outer(self, command: str, what: str, timeout: float | None = 1800) -> str:
+        """Run ``command`` in the sandbox itself (not in a service); its stdout, or a
+        RuntimeError naming ``what`` with the output's tail."""
+        res: SandboxExecResult = await self._require().exec.remote(
+            command, shell=self._shell, timeout=timeout)
+        if res.exit_code != 0 or res.timed_out:
+            raise RuntimeError(f"{what} failed (exit {res.exit_code}): "
+                               f"{(res.stdout + res.stderr)[-3000:]}")
+        return res.stdout
+
+    async def _compose_up(self) -> None:
+        """Load the images the compose file needs from the node's store, start every
+        service on the sandbox's network, and find the main service's container."""
+        env_dir = self.environment_dir
+        spec = yaml.safe_load((env_dir / "docker-compose.yaml").read_text()) or {}
+
+        def dockerfile(context: str, name: str) -> str:
+            return (env_dir / context / name).read_text()
+
+        store = ImageStore()
+        outer = self._require()
+        await self._outer("mkdir -p /rsb/xfer", "preparing the sandbox")
+        await self._transfer(outer.upload_dir, env_dir, _compose.ENV_DIR)
+        for i, ref in enumerate(_compose.build_bases(spec, dockerfile)):
+            image = await asyncio.to_thread(store.get, ref)
+            with tempfile.TemporaryDirectory(prefix="rsb-compose-") as tmp:
+                tar = Path(tmp) / "base.tar"
+                await asyncio.to_thread(export_layout, Path(image.rootfs).parent / "oci",
+                                        "image", f"docker-archive:{tar}:{ref}")
+                await self._transfer(outer.upload_file, tar, f"/rsb/base{i}.tar")
+            await self._outer(f"docker load -q -i /rsb/base{i}.tar && rm /rsb/base{i}.tar",
+                              f"docker load of {ref}")
+        rewritten = yaml.safe_dump(_compose.rewrite(spec))
+        await self._require().write_file.remote(_compose.COMPOSE_FILE, rewritten.encode())
+        compose = (f"cd {_compose.ENV_DIR} && docker-compose -p {_compose.PROJECT} "
+                   f"-f {_compose.COMPOSE_FILE}")
+        await self._outer(f"{compose} up -d --build 2>&1", "docker-compose up")
+        self._main = (await self._outer(f"{compose} ps -q {_compose.MAIN}",
+                                        "finding the main service")).strip()
+        if not self._main:
+            raise RuntimeError("docker-compose started no main service")
+        probe = await self._outer(f"docker exec {self._main} sh -c "
+                                  "'command -v bash || true'", "probing the main service")
+        self._main_shell = "bash" if probe.strip() else "sh"
+
+    async def _docker_cp(self, source: str, target: str) -> None:
+        await self._outer(f"docker cp {source} {target}", "docker cp")
+
+    def _scratch(self) -> str:
+        return f"/rsb/xfer/{uuid.uuid4().hex}"
 
     def _require(self) -> SandboxHandle:
         if self._sandbox is None:
@@ -281,6 +356,12 @@ class RaySandboxEnvironment(BaseEnvironment):
         user = self._resolve_user(user)
         kwargs = dict(cwd=cwd, env=self._merge_env(env), shell=self._shell, timeout=timeout_sec,
                       user=None if user is None else str(user))
+        if self._main is not None:  # a Compose task: in the main service's container
+            command = _compose.exec_command(
+                self._main, command, shell=self._main_shell,
+                cwd=cwd or self.task_env_config.workdir, env=kwargs["env"],
+                user=kwargs["user"])
+            kwargs.update(cwd=None, env=None, user=None)
         callback = self._output_callback()
         if callback is None:
             res: SandboxExecResult = await self._require().exec.remote(command, **kwargs)
@@ -308,17 +389,50 @@ class RaySandboxEnvironment(BaseEnvironment):
         so they run in a thread."""
         await asyncio.to_thread(lambda: ray.get(method.remote(source, target)))
 
+    # A Compose task's files move through a scratch path of the sandbox and `docker cp`.
+
     async def upload_file(self, source_path: Path | str, target_path: str) -> None:
-        await self._transfer(self._require().upload_file, source_path, target_path)
+        if self._main is None:
+            await self._transfer(self._require().upload_file, source_path, target_path)
+            return
+        scratch = self._scratch()
+        await self._transfer(self._require().upload_file, source_path, scratch)
+        parent = os.path.dirname(target_path) or "/"
+        await self._outer(f"docker exec {self._main} mkdir -p {shlex.quote(parent)} && "
+                          f"docker cp {scratch} {self._main}:{shlex.quote(target_path)} && "
+                          f"rm -f {scratch}", "upload into the main service")
 
     async def upload_dir(self, source_dir: Path | str, target_dir: str) -> None:
-        await self._transfer(self._require().upload_dir, source_dir, target_dir)
+        if self._main is None:
+            await self._transfer(self._require().upload_dir, source_dir, target_dir)
+            return
+        scratch = self._scratch()
+        await self._transfer(self._require().upload_dir, source_dir, scratch)
+        await self._outer(f"docker exec {self._main} mkdir -p {shlex.quote(target_dir)} && "
+                          f"docker cp {scratch}/. {self._main}:{shlex.quote(target_dir)} && "
+                          f"rm -rf {scratch}", "upload into the main service")
 
     async def download_file(self, source_path: str, target_path: Path | str) -> None:
         sandbox = self._require()
         target = Path(target_path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        await self._transfer(sandbox.download_file, source_path, target)
+        if self._main is None:
+            await self._transfer(sandbox.download_file, source_path, target)
+            return
+        scratch = self._scratch()
+        await self._outer(f"mkdir -p /rsb/xfer && docker cp "
+                          f"{self._main}:{shlex.quote(source_path)} {scratch}",
+                          "download from the main service")
+        await self._transfer(sandbox.download_file, scratch, target)
+        await self._outer(f"rm -rf {scratch}", "cleaning up")
 
     async def download_dir(self, source_dir: str, target_dir: Path | str) -> None:
-        await self._transfer(self._require().download_dir, source_dir, target_dir)
+        if self._main is None:
+            await self._transfer(self._require().download_dir, source_dir, target_dir)
+            return
+        scratch = self._scratch()
+        await self._outer(f"mkdir -p {scratch} && docker cp "
+                          f"{self._main}:{shlex.quote(source_dir)}/. {scratch}",
+                          "download from the main service")
+        await self._transfer(self._require().download_dir, scratch, target_dir)
+        await self._outer(f"rm -rf {scratch}", "cleaning up")

@@ -1,0 +1,4 @@
+#!/bin/sh
+ok=1
+[ "$(cat /app/answer.txt 2>/dev/null)" = rosivg ] || ok=0
+echo $ok > /logs/verifier/reward.txt
