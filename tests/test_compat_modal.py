@@ -13,6 +13,7 @@ import urllib.request
 import pytest
 
 import ray_sandbox.modal as modal  # was: import modal
+from tests.fx_hostile import wait_until
 
 PY = modal.Image.from_registry("ray-sandbox/python")  # was: python:3.12 / debian_slim()
 BUSYBOX = modal.Image.from_registry("ray-sandbox/busybox")
@@ -187,6 +188,39 @@ def test_unencrypted_port_through_a_node_local_tunnel(app, sb):
     finally:
         web.terminate()
     assert sb.tunnels() == {}
+
+
+def test_volumes_keep_files_between_sandboxes(app):
+    with pytest.raises(modal.exception.NotFoundError):
+        modal.Volume.from_name("compat-vol")
+    vol = modal.Volume.from_name("compat-vol", create_if_missing=True)
+    try:
+        writer = modal.Sandbox.create(app=app, image=BUSYBOX, volumes={"/data": vol})
+        writer.exec("sh", "-c", "echo kept > /data/f").wait()
+        vol.commit()
+        with pytest.raises(modal.exception.Error):  # mounted: not deleted under it
+            modal.Volume.delete("compat-vol")
+        writer.terminate()
+        vol.reload()
+        reader = modal.Sandbox.create(app=app, image=BUSYBOX, volumes={"/data": vol})
+        assert reader.exec("cat", "/data/f").stdout.read() == "kept\n"
+        reader.terminate()
+        with pytest.raises(NotImplementedError, match="listdir"):
+            vol.listdir("/")
+    finally:
+        wait_until(lambda: _deleted("compat-vol"), 30)
+    with modal.Volume.ephemeral() as tmp:
+        assert modal.Volume.from_name(tmp.name).name == tmp.name
+    with pytest.raises(modal.exception.NotFoundError):
+        modal.Volume.from_name(tmp.name)
+
+
+def _deleted(name: str) -> bool:
+    try:
+        modal.Volume.delete(name)
+        return True
+    except modal.exception.Error:  # a sandbox just terminated may hold it a moment longer
+        return False
 
 
 def test_unsupported_features_raise_naming_them(sb):

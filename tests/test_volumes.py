@@ -46,6 +46,22 @@ def volume(runtime, request):
     assert _volume_mounts(runtime.home) == []
 
 
+def test_a_deleted_users_teardown_is_waited_for(runtime, volume):
+    """delete() returns before the teardown unbinds the volume: the next create with the
+    same read-write volume waits for it instead of failing."""
+    a = runtime.create(image=BUSYBOX, memory="64Mi", volumes={"/ws": volume})
+    assert runtime.exec(a, "echo first > /ws/f").exit_code == 0
+    runtime.delete(a)  # no wait: its teardown runs in the background
+    b = runtime.create(image=BUSYBOX, memory="64Mi", volumes={"/ws": volume})
+    try:
+        assert runtime.exec(b, "cat /ws/f").stdout == "first\n"
+        # a live user is not waited for: refused at once
+        with pytest.raises(SandboxCreationError, match=f"by sandbox {b}:"):
+            runtime.create(image=BUSYBOX, memory="64Mi", volumes={"/ws": volume})
+    finally:
+        runtime.delete(b, wait=True)
+
+
 def test_data_survives_delete_and_recreate(runtime, volume):
     a = runtime.create(image=BUSYBOX, memory="64Mi", volumes={"/ws": volume})
     info = runtime.volumes.inspect(volume)

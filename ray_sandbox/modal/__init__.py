@@ -8,6 +8,7 @@ from .app import App, Image, Secret
 from .io import ContainerProcess, FileIO, StreamReader, StreamType, StreamWriter
 from .sandbox import Sandbox
 from .tunnel import Tunnel
+from .volume import Volume
 
 __all__ = ["App", "ContainerProcess", "FileIO", "Image", "Sandbox", "Secret", "StreamReader",
-           "StreamType", "StreamWriter", "Tunnel", "exception"]
+           "StreamType", "StreamWriter", "Tunnel", "Volume", "exception"]

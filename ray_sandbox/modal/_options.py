@@ -19,7 +19,7 @@ UNSUPPORTED = {
     "idle_timeout": "idle_timeout (no idle tracking yet)",
     "gpu": "gpu (sandboxes have no GPU access here)",
     "cloud": "cloud (placement is Ray's)", "region": "region (placement is Ray's)",
-    "volumes": "volumes", "network_file_systems": "network_file_systems",
+    "network_file_systems": "network_file_systems",
     "pty": "pty on create", "pty_info": "pty_info",
     "encrypted_ports": "TLS tunnels (encrypted_ports; unencrypted_ports work node-locally)",
     "h2_ports": "TLS tunnels (h2_ports)", "custom_domain": "custom_domain",
@@ -53,7 +53,7 @@ def create_options(
     timeout: float | None, workdir: str | None, cpu: Any, memory: Any,
     block_network: bool, cidr_allowlist: Sequence[str] | None,
     outbound_domain_allowlist: Sequence[str] | None, unencrypted_ports: Sequence[int] = (),
-    others: Mapping[str, Any],
+    volumes: Mapping[str, Any] | None = None, others: Mapping[str, Any],
 ) -> dict[str, Any]:
     """:func:`ray_sandbox.create` keyword arguments for Modal's ``Sandbox.create``."""
     for key in others:
@@ -84,6 +84,8 @@ def create_options(
                                      default="deny")
     if unencrypted_ports:
         out["expose_ports"] = tuple(unencrypted_ports)  # on the sandbox's node (tunnels())
+    if volumes:  # path -> modal.Volume (or its name): our named volumes, placed on their node
+        out["volumes"] = {path: getattr(v, "name", v) for path, v in volumes.items()}
     if name is not None:
         out["name"] = name
     if workdir is not None:

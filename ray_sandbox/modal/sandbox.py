@@ -29,6 +29,7 @@ from ._options import APP_LABEL, PORTS_LABEL, create_options, refuse
 from .app import App, Image, Secret
 from .io import ContainerProcess, FileIO, Process, StreamReader, StreamType, StreamWriter
 from .tunnel import Tunnel, node_address
+from .volume import Volume
 
 TIMEOUT_EXIT = 124  # Modal's return code of a sandbox whose timeout ran out
 TERMINATED_EXIT = 137  # ... and of one that was terminated
@@ -71,7 +72,8 @@ class Sandbox:
         timeout: float = 300, workdir: str | None = None, cpu: Any = None, memory: Any = None,
         block_network: bool = False, cidr_allowlist: Sequence[str] | None = None,
         outbound_domain_allowlist: Sequence[str] | None = None,
-        unencrypted_ports: Sequence[int] = (), verbose: bool = False, **others: Any,
+        unencrypted_ports: Sequence[int] = (), volumes: Mapping[str, Volume] | None = None,
+        verbose: bool = False, **others: Any,
     ) -> Sandbox:
         """Create a sandbox; with ``args`` it runs that command and ends when it exits."""
         handle = actor.create(**create_options(
@@ -80,7 +82,7 @@ class Sandbox:
             timeout=timeout, workdir=workdir, cpu=cpu, memory=memory,
             block_network=block_network, cidr_allowlist=cidr_allowlist,
             outbound_domain_allowlist=outbound_domain_allowlist,
-            unencrypted_ports=unencrypted_ports, others=others))
+            unencrypted_ports=unencrypted_ports, volumes=volumes, others=others))
         entrypoint = None
         if args:
             try:

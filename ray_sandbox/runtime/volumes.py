@@ -188,37 +188,55 @@ class VolumeStore:
     def attach(self, sandbox_id: str, binds: Sequence[tuple[str, bool, Path]]) -> None:
         """Bind each ``(volume name, readonly, target)`` for a starting sandbox, mounting the
         volume first if no sandbox uses it. A read-write volume is mounted by one sandbox at
-        a time, and never beside read-only users (their view would go stale)."""
+        a time, and never beside read-only users (their view would go stale). A user that was
+        deleted and is still being torn down (``terminate`` returns before its teardown ends)
+        is waited for, up to ``_LOOP_GONE_WAIT_S``: delete-then-create must work."""
         if not binds:
             return
-        with self._locked():
-            table = self._table()
-            wanted: dict[str, bool] = {}
-            for name, readonly, _ in binds:
-                if self._record(name) is None:
-                    raise ConfigError(f"volume {name!r} does not exist on this node "
-                                      f"({self.node})", sandbox_id=sandbox_id)
-                if name in wanted and not (readonly and wanted[name]):
-                    raise ConfigError(f"volume {name!r} is mounted twice, once read-write",
-                                      sandbox_id=sandbox_id)
-                wanted[name] = readonly
-            # Made before any mount: the sandbox's teardown releases volumes only if it exists.
-            binds[0][2].parent.mkdir(exist_ok=True)
-            for name, readonly in wanted.items():
-                users = self._users(name, table)
-                if users and not (readonly and all(u.readonly for u in users)):
-                    u = users[0]
+        wanted: dict[str, bool] = {}
+        for name, readonly, _ in binds:
+            if name in wanted and not (readonly and wanted[name]):
+                raise ConfigError(f"volume {name!r} is mounted twice, once read-write",
+                                  sandbox_id=sandbox_id)
+            wanted[name] = readonly
+        deadline = time.monotonic() + _LOOP_GONE_WAIT_S
+        while True:
+            with self._locked():
+                table = self._table()
+                for name in wanted:
+                    if self._record(name) is None:
+                        raise ConfigError(f"volume {name!r} does not exist on this node "
+                                          f"({self.node})", sandbox_id=sandbox_id)
+                blocker = self._blocker(wanted, table)
+                if blocker is None:
+                    # Made before any mount: the teardown releases volumes only if it exists.
+                    binds[0][2].parent.mkdir(exist_ok=True)
+                    for name in wanted:
+                        self._ensure_mounted(name, table, sandbox_id)
+                    for name, readonly, target in binds:
+                        _mount.bind(self._dir(name) / "mnt", target, readonly=readonly,
+                                    sandbox_id=sandbox_id)
+                    return
+                name, u = blocker
+                dying = (self._sandboxes / f"{u.sandbox_id}.tombstone").exists()
+                if not dying or time.monotonic() > deadline:
                     raise VolumeInUseError(
                         f"volume {name!r} is mounted {'read-only' if u.readonly else 'read-write'}"
-                        f" by sandbox {u.sandbox_id}: a read-write volume is mounted by one "
-                        "sandbox at a time (a fork or copy of a sandbox with a read-write "
-                        "volume needs its source gone first, or the volume read-only)",
-                        sandbox_id=sandbox_id,
+                        f" by sandbox {u.sandbox_id}"
+                        f"{' (deleted, its teardown still running)' if dying else ''}: a "
+                        "read-write volume is mounted by one sandbox at a time (a fork or copy "
+                        "of a sandbox with a read-write volume needs its source gone first, or "
+                        "the volume read-only)", sandbox_id=sandbox_id,
                     )
-                self._ensure_mounted(name, table, sandbox_id)
-            for name, readonly, target in binds:
-                _mount.bind(self._dir(name) / "mnt", target, readonly=readonly,
-                            sandbox_id=sandbox_id)
+            time.sleep(0.05)  # outside the lock: the teardown takes it to let go
+
+    def _blocker(self, wanted: dict[str, bool], table: _Table) -> tuple[str, VolumeUse] | None:
+        """The first (volume, user) that keeps ``wanted`` from being mounted, if any."""
+        for name, readonly in wanted.items():
+            users = self._users(name, table)
+            if users and not (readonly and all(u.readonly for u in users)):
+                return name, users[0]
+        return None
 
     def release_idle(self) -> list[str]:
         """Unmount every volume no sandbox has bound any more; returns their names."""
