@@ -55,6 +55,15 @@ def test_sandboxes_go_to_their_volumes_node(tmp_path_factory, default_image, bus
         assert [u.readonly for u in inspect_volume("ray-ws").mounts] == [False]
         with pytest.raises(VolumeInUseError, match="mounted by"):
             delete_volume("ray-ws")
+        # suspended, then resumed with the default placement ("any"): back on the volume's
+        # node, not wherever Ray has room; another node named explicitly is refused
+        ray.get(sb.suspend.remote())
+        assert _idle("ray-ws")
+        with pytest.raises(ConfigError, match="cannot run on node"):
+            api.resume(sb.sandbox_id, placement=by_res["vnode0"])
+        sb = api.resume(sb.sandbox_id)
+        assert sb.node_id == far
+        assert ray.get(sb.exec.remote("cat /ws/f")).stdout == "across\n"
         ray.get(sb.terminate.remote())
         assert _idle("ray-ws")
 

@@ -25,6 +25,7 @@ from ..runtime.config import SandboxConfig
 from ..runtime.errors import CapacityError, ConfigError, SandboxError
 from ..runtime.snapshot import Snapshot
 from .template import SandboxTemplate
+from .volumes import volume_node
 
 PG_LABEL = "ray-sandbox/placement-group"  # sandbox label: the hex id of its reservation
 BUNDLE_LABEL = "ray-sandbox/bundle"  # snapshot label: the source's Ray reservation (JSON)
@@ -171,7 +172,15 @@ def copy_bundle(snap: Snapshot) -> dict[str, float]:
 
 
 def copy_node(snap: Snapshot, placement: Placement) -> str | None:
-    """The node a copy must land on (None: wherever Ray places it)."""
+    """The node a copy must land on (None: wherever Ray places it). A sandbox with volumes
+    runs where they are, whatever ``placement`` says, unless it names another node (an
+    error: volumes live on one node)."""
+    if names := [v["name"] for v in (snap.config.get("volumes") or {}).values()]:
+        node = volume_node(names)
+        if placement not in ("local", "any", node):
+            raise ConfigError(f"the sandbox mounts volume(s) {', '.join(sorted(names))} of "
+                              f"node {node}; its copies cannot run on node {placement}")
+        return node
     if placement == "local":
         return snap.node_id
     if placement == "any":
