@@ -403,6 +403,7 @@ def test_cli_builds_a_dockerfile(tmp_path, monkeypatch, docker_image, image_stor
     finally:
         image_store.remove(built["ref"])
         shutil.rmtree(archive.parent)
+        archive.parent.with_suffix(".lock").unlink(missing_ok=True)
     dockerfile.write_text("FROM ray-sandbox/busybox:latest\nRUN exit 5\n")
     res = runner.invoke(app, ["build", "-f", str(dockerfile), str(ctx), "-t", "lab/cli:v2"],
                         env={"COLUMNS": "200"})
