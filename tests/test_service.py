@@ -571,3 +571,22 @@ def test_a_restarted_replica_adopts_the_sandboxes_made_before(service: Service):
             "label": "suite=adopt"}).json()["sandboxes"]] == [sid]
         assert c.delete(f"/sandboxes/{sid}").status_code == 200
         error(c.get(f"/sandboxes/{sid}"), 404)
+
+
+def test_a_tenant_cannot_mount_a_volume_of_the_node(service: Service):
+    """Volumes are the node's, not a tenant's: the service offers none (no per-tenant volume
+    namespace yet), so a create naming one is refused before anything is made."""
+    from ray_sandbox.actor.volumes import create_volume, delete_volume
+
+    create_volume("operator-secrets", "16Mi")
+    try:
+        with service.client("bob") as c:
+            before = c.get("/sandboxes").json()["sandboxes"]
+            for volumes in ({"/v": "operator-secrets"}, {"/v": "operator-secrets:ro"},
+                            {"/v": {"name": "operator-secrets", "readonly": True}}):
+                msg = error(c.post("/sandboxes", json={"image": BUSYBOX, "memory": "64Mi",
+                                                       "volumes": volumes}), 400)
+                assert "volumes" in msg
+            assert c.get("/sandboxes").json()["sandboxes"] == before
+    finally:
+        delete_volume("operator-secrets")

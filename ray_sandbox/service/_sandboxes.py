@@ -170,6 +170,10 @@ class Sandboxes:
                                        "reserved")
         if options.get("network") == "host" and not self._config.allow_host_network:
             raise _errors.refusal(400, "network='host' is not allowed by this service")
+        if options.get("volumes"):
+            # a volume belongs to the node, not to a tenant: any name would reach any
+            # tenant's (or the operator's) data, so the service mounts none
+            raise _errors.refusal(400, "volumes are not offered by this service")
         # the Ray layer's defaults (a writable root capped by a disk) apply, as for create()
         config = actor.make_template(**options).config
         cost = charge(config)
