@@ -139,6 +139,8 @@ class RaySandboxEnvironment(BaseEnvironment):
         self._compose = (not self._image
                          and (self.environment_dir / "docker-compose.yaml").is_file())
         self._main: str | None = None  # the main service's container id
+        # A built image is an archive on the node that built it: its trials run there.
+        self._node: str | None = None
         self._main_shell = "/bin/sh"
         policies = [self._network_policy, *self._phase_network_policies]
         self._mode = _policy.start_mode(policies, self.options.network)
@@ -240,11 +242,13 @@ class RaySandboxEnvironment(BaseEnvironment):
             resources["CPU"] = float(cpu_request)
         if mem_request is not None:
             resources["memory"] = float(mem_request * 2**20)
-        return SandboxTemplate(config=config, resources=resources)
+        return SandboxTemplate(config=config, resources=resources, node_id=self._node)
 
     async def start(self, force_build: bool) -> None:
         if self._image is None and not self._compose:  # a Dockerfile task: built (or
             self._image = await asyncio.to_thread(self._build_image)  # cached) here
+            await asyncio.to_thread(_join_ray, self.options.ray_address)
+            self._node = ray.get_runtime_context().get_node_id()
         template = self._template()
 
         def create() -> SandboxHandle:
