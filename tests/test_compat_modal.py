@@ -223,9 +223,14 @@ def _deleted(name: str) -> bool:
         return False
 
 
+def test_idle_timeout_ends_an_unused_sandbox(app):
+    sb = modal.Sandbox.create(app=app, image=BUSYBOX, idle_timeout=1)
+    assert sb.exec("sleep", "1.5").wait() == 0  # a running command is use
+    assert sb.poll() is None
+    assert wait_until(lambda: sb.poll() is not None, 15)  # then nothing: it ends
+
+
 def test_unsupported_features_raise_naming_them(sb):
-    with pytest.raises(NotImplementedError, match="idle_timeout"):
-        modal.Sandbox.create(image=BUSYBOX, idle_timeout=10)
     with pytest.raises(NotImplementedError, match="encrypted_ports"):
         modal.Sandbox.create(image=BUSYBOX, encrypted_ports=[443])
     with pytest.raises(NotImplementedError, match="snapshot_filesystem"):

@@ -149,6 +149,26 @@ def test_ttl_deletes_and_reports(runtime):
     assert not (runtime.sandboxes_dir / sid).exists()
 
 
+def test_idle_timeout_counts_from_the_last_use_and_spares_running_work(runtime):
+    idle = 1.5
+    sid = runtime.create(image="ray-sandbox/python", memory="128Mi", idle_timeout_seconds=idle)
+    # a running exec and a running spawned process are use, however long they take
+    assert runtime.exec(sid, "sleep 2.5").exit_code == 0
+    proc = runtime.spawn(sid, ["sleep", "2.5"])
+    assert proc.wait(timeout=10).exit_code == 0
+    # a warm interpreter between calls is not; code running in it is
+    assert runtime.run_python(sid, "import time; time.sleep(2.5); x = 1").ok
+    time.sleep(idle * 0.6)
+    assert runtime.exec(sid, "true").exit_code == 0  # used again: its idle time restarts
+    time.sleep(idle * 0.6)
+    assert runtime.get_status(sid).state == SandboxState.RUNNING
+    deadline = time.time() + idle + 10
+    while time.time() < deadline and runtime.get_status(sid).state != SandboxState.TERMINATED:
+        time.sleep(0.1)
+    st = runtime.get_status(sid)
+    assert (st.state, st.reason) == (SandboxState.TERMINATED, "IdleTimeout")
+
+
 def test_bad_input(runtime, sandbox):
     with pytest.raises(SandboxNotFoundError):
         runtime.exec("0" * 32, "true")

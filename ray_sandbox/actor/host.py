@@ -342,7 +342,7 @@ class SandboxHost:
                 return
             self._blocks.shrink()
             for sid, pg_hex in items:
-                if sid not in live:  # ended by its TTL
+                if sid not in live:  # ended by its TTL or idle timeout
                     with self._lock:
                         self._pgs.pop(sid, None)
                         self._jobs.pop(sid, None)

@@ -16,7 +16,6 @@ DEFAULT_IMAGE = "ray-sandbox/python"  # Modal's default image is a Debian with P
 # Modal's create() arguments that need what this backend does not have (docs/compat.md):
 # refused when given anything but their default.
 UNSUPPORTED = {
-    "idle_timeout": "idle_timeout (no idle tracking yet)",
     "gpu": "gpu (sandboxes have no GPU access here)",
     "cloud": "cloud (placement is Ray's)", "region": "region (placement is Ray's)",
     "network_file_systems": "network_file_systems",
@@ -53,7 +52,8 @@ def create_options(
     timeout: float | None, workdir: str | None, cpu: Any, memory: Any,
     block_network: bool, cidr_allowlist: Sequence[str] | None,
     outbound_domain_allowlist: Sequence[str] | None, unencrypted_ports: Sequence[int] = (),
-    volumes: Mapping[str, Any] | None = None, others: Mapping[str, Any],
+    volumes: Mapping[str, Any] | None = None, idle_timeout: float | None = None,
+    others: Mapping[str, Any],
 ) -> dict[str, Any]:
     """:func:`ray_sandbox.create` keyword arguments for Modal's ``Sandbox.create``."""
     for key in others:
@@ -84,6 +84,8 @@ def create_options(
                                      default="deny")
     if unencrypted_ports:
         out["expose_ports"] = tuple(unencrypted_ports)  # on the sandbox's node (tunnels())
+    if idle_timeout is not None:
+        out["idle_timeout_seconds"] = idle_timeout
     if volumes:  # path -> modal.Volume (or its name): our named volumes, placed on their node
         out["volumes"] = {path: getattr(v, "name", v) for path, v in volumes.items()}
     if name is not None:

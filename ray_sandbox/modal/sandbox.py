@@ -73,7 +73,7 @@ class Sandbox:
         block_network: bool = False, cidr_allowlist: Sequence[str] | None = None,
         outbound_domain_allowlist: Sequence[str] | None = None,
         unencrypted_ports: Sequence[int] = (), volumes: Mapping[str, Volume] | None = None,
-        verbose: bool = False, **others: Any,
+        idle_timeout: float | None = None, verbose: bool = False, **others: Any,
     ) -> Sandbox:
         """Create a sandbox; with ``args`` it runs that command and ends when it exits."""
         handle = actor.create(**create_options(
@@ -82,7 +82,8 @@ class Sandbox:
             timeout=timeout, workdir=workdir, cpu=cpu, memory=memory,
             block_network=block_network, cidr_allowlist=cidr_allowlist,
             outbound_domain_allowlist=outbound_domain_allowlist,
-            unencrypted_ports=unencrypted_ports, volumes=volumes, others=others))
+            unencrypted_ports=unencrypted_ports, volumes=volumes, idle_timeout=idle_timeout,
+            others=others))
         entrypoint = None
         if args:
             try:

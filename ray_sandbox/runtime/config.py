@@ -215,6 +215,10 @@ class SandboxConfig(BaseModel):
     )
     user: str | None = Field(None, description="'name', 'uid' or 'uid:gid'; None = image USER")
     ttl_seconds: float | None = Field(None, description="wall-clock lifetime; None = forever")
+    idle_timeout_seconds: float | None = Field(
+        None, description="deleted after this long without a call into it (exec, files, "
+        "run_python, spawn) while no exec or spawned process runs (Modal's idle_timeout); "
+        "enforced by the process that owns it (a node's host); None = never")
     timeout_seconds: float | None = Field(300.0, description="default timeout for exec calls")
     network: NetworkMode = "none"
     dns: tuple[str, ...] | None = None
@@ -358,12 +362,12 @@ class SandboxConfig(BaseModel):
             raise ValueError(f"invalid user {v!r}")
         return v
 
-    @field_validator("ttl_seconds", "timeout_seconds")
+    @field_validator("ttl_seconds", "timeout_seconds", "idle_timeout_seconds")
     @classmethod
     def _positive(cls, v: float | None, info: Any) -> float | None:
         if v is not None and not (v > 0 and math.isfinite(v)):
             raise ValueError("must be a positive, finite number of seconds")
-        limit = MAX_TTL if info.field_name == "ttl_seconds" else MAX_TIMEOUT
+        limit = MAX_TIMEOUT if info.field_name == "timeout_seconds" else MAX_TTL
         if v is not None and v > limit:
             raise ValueError(f"must be at most {limit:.0f} seconds")
         return v
@@ -466,7 +470,7 @@ class SandboxConfig(BaseModel):
 # What a running, never-used sandbox can still take on when it is handed out (the record,
 # the exec defaults, an nft policy): everything else shapes its boot.
 PERSONAL_FIELDS = frozenset({"env", "labels", "ttl_seconds", "timeout_seconds", "user",
-                             "workdir", "egress", "shell"})
+                             "workdir", "egress", "shell", "idle_timeout_seconds"})
 
 
 def boot_key(cfg: SandboxConfig) -> str | None:

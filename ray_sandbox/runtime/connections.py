@@ -35,6 +35,11 @@ class Connections:
         self.close(sandbox_id)
         return None
 
+    def peek(self, sandbox_id: str) -> AgentClient | None:
+        """The sandbox's client if one was made (none: nothing has called into it yet)."""
+        with self._lock:
+            return self._clients.get(sandbox_id)
+
     def add(self, sandbox_id: str, client: AgentClient) -> None:
         with self._lock:
             self._clients[sandbox_id] = client

@@ -97,6 +97,11 @@ def _maps_death(method: Callable[..., T]) -> Callable[..., T]:
     return wrapper
 
 
+# A sandbox in use (a call or process running) is looked at this often for idleness; its
+# idle time counts from the last look that found it in use, within this much.
+_IDLE_BUSY_RECHECK_S = 1.0
+
+
 class SandboxRuntime:
     """Create and drive gVisor sandboxes on this node.
 
@@ -132,6 +137,7 @@ class SandboxRuntime:
         self._launcher = Launcher(self.home, self.records, self._connections, self.runsc,
                                   self.images, self.volumes)
         self._ttl = reaper.TtlTimer(self._expire)
+        self._idle = reaper.TtlTimer(self._idle_check)
         _subreaper.ensure()
         if reap:
             self.gc()
@@ -172,6 +178,8 @@ class SandboxRuntime:
         self.records.adopt(rec)
         if rec.ttl_deadline is not None:
             self._ttl.schedule(rec.sandbox_id, rec.ttl_deadline)
+        if idle := rec.config.get("idle_timeout_seconds"):
+            self._idle.schedule(rec.sandbox_id, time.time() + idle)
 
     def personalize(
         self,
@@ -213,6 +221,34 @@ class SandboxRuntime:
     def _expire(self, sandbox_id: str) -> None:
         if self.records.owns(sandbox_id):
             self._launcher.destroy(sandbox_id, reason="TTLExpired")
+
+    def _idle_check(self, sandbox_id: str) -> None:
+        """Delete the sandbox if nothing used it for its ``idle_timeout_seconds``, else look
+        again when that could next be true (each second while a call or process runs)."""
+        if not self.records.owns(sandbox_id):
+            return  # deleted, or handed to another owner
+        try:
+            rec = self.records.get(sandbox_id)
+        except SandboxError:
+            return
+        limit = rec.config.get("idle_timeout_seconds")
+        if not limit:
+            return  # personalized without one
+        now = time.monotonic()
+        since = now - max(time.time() - rec.created_at, 0.0)  # handed out or created
+        client = self._connections.peek(sandbox_id)
+        if client is not None:
+            used = client.idle_since()
+            if used is None:  # in use: idle time counts from now at the earliest
+                client.touch()
+                self._idle.schedule(sandbox_id,
+                                    time.time() + min(limit, _IDLE_BUSY_RECHECK_S))
+                return
+            since = max(since, used)
+        if now - since >= limit:
+            self._launcher.destroy(sandbox_id, reason="IdleTimeout")
+        else:
+            self._idle.schedule(sandbox_id, time.time() + (since + limit - now))
 
     def delete(self, sandbox_id: str, *, wait: bool = False) -> None:
         """Stop the sandbox and remove everything it owns. Idempotent. On return it can no

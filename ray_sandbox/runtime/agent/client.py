@@ -155,6 +155,22 @@ class AgentClient:
         self._busy: weakref.WeakSet[_Conn] = weakref.WeakSet()  # checked out
         self._connecting = 0
         self._procs: weakref.WeakSet[AgentProcess] = weakref.WeakSet()
+        self._last_active = time.monotonic()
+
+    # -- activity (idle_timeout_seconds) ---------------------------------------------------
+
+    def touch(self) -> None:
+        """A call into the sandbox started or ended now."""
+        self._last_active = time.monotonic()
+
+    def idle_since(self) -> float | None:
+        """When the last call into the sandbox started or ended (``time.monotonic``), or
+        None while a call runs or a spawned process that keeps it active lives."""
+        with self._lock:
+            if self._connecting or any(not c.closed for c in self._busy) or \
+                    any(p.keeps_active and not p.done for p in self._procs):
+                return None
+            return self._last_active
 
     # -- connections ------------------------------------------------------------------
 
@@ -182,6 +198,7 @@ class AgentClient:
                 # Else the handler died (EOF pending) or the connection is out of step.
                 if not conn.closed and not conn.has_input():
                     self._busy.add(conn)
+                    self.touch()
                     return conn
                 conn.close()
         return self._connect_busy()
@@ -195,6 +212,7 @@ class AgentClient:
             conn = self._connect()
             with self._lock:
                 self._busy.add(conn)
+                self.touch()
             return conn
         finally:
             with self._lock:
@@ -203,6 +221,7 @@ class AgentClient:
     def _checkin(self, conn: _Conn) -> None:
         with self._lock:
             self._busy.discard(conn)
+            self.touch()
             if not conn.closed and not self._closed and len(self._idle) < self.pool_size:
                 self._idle.append(conn)
                 return
@@ -433,6 +452,7 @@ class AgentClient:
         pty: tuple[int, int] | None = None,
         max_buffer_bytes: int = DEFAULT_MAX_OUTPUT,
         timeout: float | None = None,
+        keeps_active: bool = True,
     ) -> AgentProcess:
         """Starts a long-lived process on a dedicated connection (see :class:`AgentProcess`).
         ``timeout``: the agent kills its whole tree after that many seconds (the result says
@@ -449,7 +469,7 @@ class AgentClient:
             if ftype != p.Reply.STARTED:
                 raise self._unexpected(conn, ftype)
             pid = conn.decode(p.parse_pid, payload)
-            proc = AgentProcess(conn, pid, pty is not None, max_buffer_bytes)
+            proc = AgentProcess(conn, pid, pty is not None, max_buffer_bytes, keeps_active)
         except BaseException:
             conn.close()
             raise

@@ -32,9 +32,13 @@ class AgentProcess:
     process (or losing the connection) kills its whole tree.
     """
 
-    def __init__(self, conn: _Conn, pid: int, pty: bool, max_buffer_bytes: int) -> None:
+    def __init__(self, conn: _Conn, pid: int, pty: bool, max_buffer_bytes: int,
+                 keeps_active: bool = True) -> None:
         self.pid = pid
         self.pty = pty
+        # while it runs the sandbox is in use (idle_timeout_seconds); a warm interpreter
+        # sets this only while it runs code
+        self.keeps_active = keeps_active
         self._conn = conn
         self._limit = max_buffer_bytes
         self._out = bytearray()

@@ -128,7 +128,7 @@ class PythonContext:
             self._buf.clear()
             self._proc = self._client.spawn(
                 self._argv, env=self._env, cwd=self._cwd, user=self._user,
-                max_buffer_bytes=3 * self._max + (1 << 20),
+                max_buffer_bytes=3 * self._max + (1 << 20), keeps_active=False,
             )  # fmt: skip
         return self._proc
 
@@ -142,37 +142,46 @@ class PythonContext:
         with self._lock:
             start = time.monotonic()
             proc = self._process()
-            req = json.dumps({"code": code, "max": self._max}).encode()
+            proc.keeps_active = True  # the sandbox is in use while code runs, not between
             try:
-                proc.write_stdin(_LEN.pack(len(req)) + req)
-            except SandboxStateError:  # it died before reading (e.g. python3 not found)
-                reply = None
-            else:
-                reply = self._reply(proc, start + timeout if timeout is not None else None)
-            elapsed = time.monotonic() - start
-            if reply is not None:
-                head, out, err = reply
-                return PythonResult(
-                    exit_code=1 if head["exception"] else 0,
-                    stdout_bytes=out,
-                    stderr_bytes=err,
-                    duration_seconds=elapsed,
-                    truncated=head["truncated"],
-                    value=head["value"],
-                    exception=head["exception"],
-                )
-            timed_out = not proc.done
-            proc.kill()
-            died = proc.wait(timeout=5.0) or ExecResult(exit_code=137, signal=9)
-            self._stop()
+                return self._run(proc, code, timeout, start)
+            finally:
+                proc.keeps_active = False
+                self._client.touch()
+
+    def _run(self, proc: AgentProcess, code: str, timeout: float | None,
+             start: float) -> PythonResult:
+        req = json.dumps({"code": code, "max": self._max}).encode()
+        try:
+            proc.write_stdin(_LEN.pack(len(req)) + req)
+        except SandboxStateError:  # it died before reading (e.g. python3 not found)
+            reply = None
+        else:
+            reply = self._reply(proc, start + timeout if timeout is not None else None)
+        elapsed = time.monotonic() - start
+        if reply is not None:
+            head, out, err = reply
             return PythonResult(
-                exit_code=died.exit_code,
-                signal=died.signal,
-                stdout_bytes=died.stdout_bytes,
-                stderr_bytes=died.stderr_bytes,
+                exit_code=1 if head["exception"] else 0,
+                stdout_bytes=out,
+                stderr_bytes=err,
                 duration_seconds=elapsed,
-                timed_out=timed_out,
+                truncated=head["truncated"],
+                value=head["value"],
+                exception=head["exception"],
             )
+        timed_out = not proc.done
+        proc.kill()
+        died = proc.wait(timeout=5.0) or ExecResult(exit_code=137, signal=9)
+        self._stop()
+        return PythonResult(
+            exit_code=died.exit_code,
+            signal=died.signal,
+            stdout_bytes=died.stdout_bytes,
+            stderr_bytes=died.stderr_bytes,
+            duration_seconds=elapsed,
+            timed_out=timed_out,
+        )
 
     def _reply(
         self, proc: AgentProcess, deadline: float | None
