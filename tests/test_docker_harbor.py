@@ -220,6 +220,10 @@ assert _compose.build_bases(
     {"services": {"main": {"build": "."}, "db": {"image": "ray-sandbox/busybox:latest"}}},
     lambda ctx, name: "FROM ray-sandbox/python:latest\\n") == [
         "ray-sandbox/python:latest", "ray-sandbox/busybox:latest"]
+cmd = _compose.exec_command("c1", "echo hi", shell="bash", cwd="/app", env={"A": "1 2"},
+                           user="7", timeout=30)
+assert cmd == ("docker exec -i -w /app -e 'A=1 2' -u 7 c1 timeout -k 5 30 bash -c "
+               "'echo hi'"), cmd
 print("ok")
 """
 
@@ -230,3 +234,67 @@ def test_compose_rewrite_puts_services_on_the_sandbox_network_by_name():
     res = subprocess.run([str(HARBOR.parent / "python"), "-c", REWRITE_CHECK],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-3000:]
+
+
+COMPOSE_CONTRACT = """
+import asyncio, json, os, shutil, sys
+from pathlib import Path
+from harbor.models.task.config import EnvironmentConfig
+from harbor.models.trial.paths import TrialPaths
+from ray_sandbox.harbor import RaySandboxEnvironment
+
+async def main(task: Path, work: Path) -> None:
+    paths = TrialPaths(work / "trial")
+    paths.mkdir()
+    shutil.copytree(task / "environment", work / "env")
+    env = RaySandboxEnvironment(
+        environment_dir=work / "env", environment_name="c", session_id="c__contract__env",
+        trial_paths=paths,
+        task_env_config=EnvironmentConfig(workdir="/app", memory_mb=1024, storage_mb=2048))
+    await env.start(force_build=False)
+    try:
+        out = {"exec": await env.exec("echo $FOO; pwd; id -u; exit 3", env={"FOO": "bar"},
+                                      user="nobody"),
+               "web": await env.exec("python3 -c \\"import urllib.request, time; "
+                                     "time.sleep(1); print(urllib.request.urlopen("
+                                     "'http://web:8080/secret.txt').read().decode())\\""),
+               "timeout": await env.exec("echo started; sleep 60", timeout_sec=2)}
+        count = ("python3 -c \\"import os, sys; print(sum(b' '.join(open(f'/proc/{p}/cmdline', "
+                 "'rb').read().split(bytes(1))).strip() == sys.argv[1].encode() "
+                 "for p in os.listdir('/proc') if p.isdigit()))\\" ")
+        out["left"] = await env.exec(count + "'sleep 60'")
+        await env.exec("sleep 61 >/dev/null 2>&1 &")  # the control: a process that stays
+        out["control"] = await env.exec(count + "'sleep 61'")
+        (work / "tool.sh").write_text("#!/bin/sh")
+        os.chmod(work / "tool.sh", 0o750)
+        await env.upload_file(work / "tool.sh", "/app/deep/tool.sh")
+        await env.download_file("/app/deep/tool.sh", work / "back/tool.sh")
+        out = {k: v.model_dump() for k, v in out.items()}
+        out["mode"] = oct((work / "back/tool.sh").stat().st_mode & 0o7777)
+    finally:
+        await env.stop(delete=True)
+    print("RESULT " + json.dumps(out))
+
+asyncio.run(main(Path(sys.argv[1]), Path(sys.argv[2])))
+"""
+
+
+@heavy
+def test_compose_exec_and_file_contract(docker_image, default_image, image_store):
+    """Harbor's calls on a Compose task reach main: env, user, cwd, exit codes, a timeout
+    that kills the command inside main (not only the docker exec client), names of the
+    other services, and files in and out with their mode."""
+    with scratch_dir("rsb-harbor-compose-") as work:
+        python = str(HARBOR.parent / "python")
+        out = run_in_harbor_venv([python, "-c", COMPOSE_CONTRACT,
+                                  str(TASKS / "compose-web"), str(work)], work,
+                                 images=image_store.root)
+        seen = json.loads(out.split("RESULT ", 1)[1].splitlines()[0])
+        assert seen["exec"] == {"stdout": "bar\n/app\n65534\n", "stderr": "",
+                                "return_code": 3}, seen["exec"]
+        assert seen["web"]["stdout"].strip() == "compose-secret-7", seen["web"]
+        assert seen["timeout"]["return_code"] == 124, seen["timeout"]
+        assert seen["timeout"]["stdout"] == "started\n"
+        assert seen["control"]["stdout"].strip() == "1", seen["control"]  # the count works
+        assert seen["left"]["stdout"].strip() == "0", seen["left"]  # killed inside main
+        assert seen["mode"] == "0o750"

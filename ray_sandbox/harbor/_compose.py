@@ -74,9 +74,17 @@ def build_bases(compose: Mapping[str, Any],
     return list(dict.fromkeys(bases))
 
 
+# Killing the `docker exec` client does not stop the command inside the container, so a
+# timeout is enforced in the container itself (timeout(1): exit 124, as Harbor expects);
+# the outer exec gets this much longer as a backstop.
+TIMEOUT_GRACE_S = 15
+
+
 def exec_command(container: str, command: str, *, shell: str, cwd: str | None,
-                 env: Mapping[str, str] | None, user: str | None) -> str:
-    """The outer sandbox's command that runs ``command`` in the main service's container."""
+                 env: Mapping[str, str] | None, user: str | None,
+                 timeout: float | None = None) -> str:
+    """The outer sandbox's command that runs ``command`` in the main service's container,
+    under ``timeout(1)`` when ``timeout`` is given (the container must have it)."""
     argv = ["docker", "exec", "-i"]
     if cwd:
         argv += ["-w", cwd]
@@ -84,4 +92,7 @@ def exec_command(container: str, command: str, *, shell: str, cwd: str | None,
         argv += ["-e", f"{k}={v}"]
     if user is not None:
         argv += ["-u", user]
-    return shlex.join([*argv, container, shell, "-c", command])
+    inner = [shell, "-c", command]
+    if timeout is not None:
+        inner = ["timeout", "-k", "5", f"{timeout:g}", *inner]
+    return shlex.join([*argv, container, *inner])

@@ -142,6 +142,7 @@ class RaySandboxEnvironment(BaseEnvironment):
         # A built image is an archive on the node that built it: its trials run there.
         self._node: str | None = None
         self._main_shell = "/bin/sh"
+        self._main_timeout = False  # whether main has timeout(1)
         policies = [self._network_policy, *self._phase_network_policies]
         self._mode = _policy.start_mode(policies, self.options.network)
 
@@ -323,12 +324,12 @@ class RaySandboxEnvironment(BaseEnvironment):
                                         "finding the main service")).strip()
         if not self._main:
             raise RuntimeError("docker-compose started no main service")
-        probe = await self._outer(f"docker exec {self._main} sh -c "
-                                  "'command -v bash || true'", "probing the main service")
-        self._main_shell = "bash" if probe.strip() else "sh"
-
-    async def _docker_cp(self, source: str, target: str) -> None:
-        await self._outer(f"docker cp {source} {target}", "docker cp")
+        probe = await self._outer(
+            f"docker exec {self._main} sh -c 'echo bash=$(command -v bash); "
+            "echo timeout=$(command -v timeout)'", "probing the main service")
+        found = dict(line.split("=", 1) for line in probe.splitlines() if "=" in line)
+        self._main_shell = "bash" if found.get("bash") else "sh"
+        self._main_timeout = bool(found.get("timeout"))
 
     def _scratch(self) -> str:
         return f"/rsb/xfer/{uuid.uuid4().hex}"
@@ -361,11 +362,14 @@ class RaySandboxEnvironment(BaseEnvironment):
         kwargs = dict(cwd=cwd, env=self._merge_env(env), shell=self._shell, timeout=timeout_sec,
                       user=None if user is None else str(user))
         if self._main is not None:  # a Compose task: in the main service's container
+            inner = timeout_sec if self._main_timeout else None
             command = _compose.exec_command(
                 self._main, command, shell=self._main_shell,
                 cwd=cwd or self.task_env_config.workdir, env=kwargs["env"],
-                user=kwargs["user"])
+                user=kwargs["user"], timeout=inner)
             kwargs.update(cwd=None, env=None, user=None)
+            if inner is not None:
+                kwargs["timeout"] = inner + _compose.TIMEOUT_GRACE_S
         callback = self._output_callback()
         if callback is None:
             res: SandboxExecResult = await self._require().exec.remote(command, **kwargs)
