@@ -126,6 +126,8 @@ def test_the_host_serves_token_holders_only_and_bounds_them(ray_cluster, sb):
             held.append(s)
         assert _connect(path, token) is None
         assert sb.run("echo over-ray").stdout == "over-ray\n"
+        # refused as full, not as a stranger: the channel is kept for the next call
+        assert sb._host._actor_id.hex() in channel._clients
     finally:
         for s in held:
             s.close()
@@ -154,3 +156,16 @@ def test_a_restarted_host_is_reached_again_and_the_old_token_refused(ray_cluster
         assert channel.client_for(fresh._host) is not None
     finally:
         ray.get(fresh.terminate.remote())
+
+
+def test_a_pooled_connection_is_checked_past_fd_1023():
+    """select() cannot watch fds over 1023; a busy worker has that many open."""
+    a, b = socket.socketpair()
+    high = socket.socket(fileno=os.dup2(a.fileno(), 1500))
+    try:
+        assert channel._open(high)
+        b.close()  # the host went away
+        assert not channel._open(high)
+    finally:
+        high.close()
+        a.close()

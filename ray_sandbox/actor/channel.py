@@ -14,18 +14,18 @@ before anything was sent, so the command runs exactly once either way.
 
 Bounds on the host: at most ``MAX_CONNECTIONS`` connections (each one thread; more are
 refused and those callers use Ray), a request frame of at most ``MAX_REQUEST`` bytes (larger
-stdin goes through Ray), idle connections closed after ``IDLE_S``, and a started frame must
-arrive within ``FRAME_S``.
+stdin goes through Ray; at worst ``MAX_CONNECTIONS`` such requests are held at once), idle
+connections closed after ``IDLE_S``, and a started frame must arrive within ``FRAME_S``.
 """
 
 from __future__ import annotations
 
+import enum
 import hmac
 import logging
 import os
 import pickle
 import secrets
-import select
 import socket
 import struct
 import threading
@@ -38,20 +38,27 @@ import ray
 
 from ..runtime.errors import SandboxError
 
-MAX_CONNECTIONS = 64
+MAX_CONNECTIONS = 128
 MAX_REQUEST = 16 << 20  # stdin of one exec; larger ones go through Ray's object store
 IDLE_S = 60.0  # the host closes a connection idle this long
 FRAME_S = 10.0  # a frame, once its header arrived, must be complete within this
 _CLIENT_IDLE_S = IDLE_S / 2  # callers drop pooled connections well before the host would
-_POOL = 8  # idle connections kept per host in one calling process
+_POOL = 4  # idle connections kept per host in one calling process (each holds a slot)
 _ACK = b"\x01"
+_FULL = b"\x00"  # sent instead of _ACK when every slot is taken
 _HEADER = struct.Struct(">I")
 _SUN_PATH_MAX = 107  # sockaddr_un.sun_path minus its NUL
 
 log = logging.getLogger(__name__)
 
 
-NOT_SENT = object()  # what call() returns when the channel could not take the call
+class NotSent(enum.Enum):
+    """What ``call`` returns when the channel did not take the call (nothing was sent; the
+    caller uses the actor call): ``BUSY`` now, or ``STALE`` for good (no host listening, or
+    one with another token: ask the host again)."""
+
+    BUSY = "busy"
+    STALE = "stale"
 
 
 def _send(sock: socket.socket, payload: bytes) -> None:
@@ -79,6 +86,18 @@ def _recv(sock: socket.socket, limit: int, frame_s: float | None) -> bytes:
     return _recv_exact(sock, n)
 
 
+def _open(sock: socket.socket) -> bool:
+    """Whether a pooled connection is still open: nothing may be waiting on it, so any
+    readable byte or EOF means the host closed it (``select`` fails past fd 1023)."""
+    try:
+        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return True  # nothing to read: open and idle
+    except OSError:
+        return False
+    return False  # EOF, or a byte nobody asked for
+
+
 # --- the host's side -------------------------------------------------------------------------
 
 
@@ -94,13 +113,18 @@ class ChannelServer:
         self._closed = False
         path.unlink(missing_ok=True)  # a previous incarnation's socket
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)  # the socket file: owner only
         try:
             self._sock.bind(str(path))
-        finally:
-            os.umask(old)
-        self._sock.listen(MAX_CONNECTIONS)
-        threading.Thread(target=self._accept, name="ray-sandbox-channel", daemon=True).start()
+            # owner only; not through the umask, which is the whole process's (the token
+            # is the guard: a moment with wider bits lets nobody in)
+            os.chmod(path, 0o600)
+            self._sock.listen(MAX_CONNECTIONS)
+            threading.Thread(target=self._accept, name="ray-sandbox-channel",
+                             daemon=True).start()
+        except BaseException:
+            self._sock.close()
+            path.unlink(missing_ok=True)
+            raise
 
     @classmethod
     def start(cls, path: Path, handler: Callable[[str, str, Any, dict], Any]
@@ -131,10 +155,23 @@ class ChannelServer:
             except OSError:
                 return  # closed
             if not self._slots.acquire(blocking=False):
-                conn.close()  # full: that caller uses Ray
+                self._refuse(conn)  # full: that caller uses Ray for now
                 continue
-            threading.Thread(target=self._serve, args=(conn,), daemon=True,
-                             name="ray-sandbox-channel-conn").start()
+            try:
+                threading.Thread(target=self._serve, args=(conn,), daemon=True,
+                                 name="ray-sandbox-channel-conn").start()
+            except RuntimeError:  # no thread to be had: refused like a full channel
+                self._slots.release()
+                self._refuse(conn)
+
+    @staticmethod
+    def _refuse(conn: socket.socket) -> None:
+        try:
+            conn.setblocking(False)
+            conn.send(_FULL)
+        except OSError:
+            pass
+        conn.close()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
@@ -183,14 +220,13 @@ class _Client:
         for sock, _ in idle:
             sock.close()
 
-    def _connect(self) -> socket.socket | None:
+    def _connect(self) -> socket.socket | NotSent:
         with self._lock:
             while self._idle:
                 sock, since = self._idle.pop()
-                # unusable if old (the host may be closing it) or readable (closed by a host
-                # that restarted): telling that apart from a failed call comes too late
-                if time.monotonic() - since < _CLIENT_IDLE_S and \
-                        not select.select([sock], [], [], 0)[0]:
+                # unusable if old (the host may be closing it) or closed by a host that
+                # restarted: telling that apart from a failed call comes too late
+                if time.monotonic() - since < _CLIENT_IDLE_S and _open(sock):
                     return sock
                 sock.close()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -198,23 +234,25 @@ class _Client:
             sock.settimeout(FRAME_S)
             sock.connect(self._path)
             _send(sock, self._token)
-            if _recv_exact(sock, 1) != _ACK:
-                raise ConnectionError("no acknowledgement")
+            answer = _recv_exact(sock, 1)
         except (OSError, ConnectionError):
             sock.close()
-            return None  # no host listening, refused (full, or another token): use Ray
+            return NotSent.STALE  # no host listening, or it closed on our token
+        if answer != _ACK:
+            sock.close()
+            return NotSent.BUSY
         return sock
 
     def call(self, op: str, sandbox_id: str, command: Any, kwargs: dict) -> Any:
-        """The host's answer, or NOT_SENT when the channel could not take the call and
-        nothing was sent: the caller uses the actor call."""
+        """The host's answer, or a :class:`NotSent` when the channel did not take the call
+        and nothing was sent: the caller uses the actor call."""
         request = pickle.dumps((op, sandbox_id, command, kwargs),
                                protocol=pickle.HIGHEST_PROTOCOL)
         if len(request) > MAX_REQUEST:
-            return NOT_SENT
+            return NotSent.BUSY
         sock = self._connect()
-        if sock is None:
-            return NOT_SENT
+        if isinstance(sock, NotSent):
+            return sock
         try:
             sock.settimeout(None)  # the host bounds the call (exec timeouts); its death is EOF
             _send(sock, request)
@@ -275,5 +313,5 @@ def forget(host: Any) -> None:
         client[1].close()
 
 
-__all__ = ["FRAME_S", "IDLE_S", "MAX_CONNECTIONS", "MAX_REQUEST", "NOT_SENT", "ChannelServer",
+__all__ = ["FRAME_S", "IDLE_S", "MAX_CONNECTIONS", "MAX_REQUEST", "ChannelServer", "NotSent",
            "client_for", "forget"]

@@ -87,9 +87,10 @@ class SandboxHandle:
         client = channel.client_for(self._host)
         if client is not None:
             result = client.call("exec", self.sandbox_id, command, kwargs)
-            if result is not channel.NOT_SENT:
+            if not isinstance(result, channel.NotSent):
                 return result
-            channel.forget(self._host)  # asked again next time (a restarted host)
+            if result is channel.NotSent.STALE:
+                channel.forget(self._host)  # asked again next time (a restarted host)
         return ray.get(self._host.exec.remote(self.sandbox_id, command, **kwargs))
 
     @property
