@@ -386,6 +386,8 @@ def test_cli_builds_a_dockerfile(tmp_path, monkeypatch, docker_image, image_stor
 
     from ray_sandbox.cli.images import app
 
+    builds = image_store.root.parent / "builds"
+    locks_before = set(builds.glob("*.lock"))
     monkeypatch.setenv("RAY_SANDBOX_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("RAY_SANDBOX_IMAGES", str(image_store.root))
     ctx = tmp_path / "ctx"
@@ -407,5 +409,7 @@ def test_cli_builds_a_dockerfile(tmp_path, monkeypatch, docker_image, image_stor
     dockerfile.write_text("FROM ray-sandbox/busybox:latest\nRUN exit 5\n")
     res = runner.invoke(app, ["build", "-f", str(dockerfile), str(ctx), "-t", "lab/cli:v2"],
                         env={"COLUMNS": "200"})
+    for lock in set(builds.glob("*.lock")) - locks_before:  # the failed build's, too
+        lock.unlink(missing_ok=True)
     assert res.exit_code == 2, res.output
     assert "ImageBuildError" in res.output and "RUN exit 5" in res.output
