@@ -208,19 +208,13 @@ def test_volumes_keep_files_between_sandboxes(app):
         with pytest.raises(NotImplementedError, match="listdir"):
             vol.listdir("/")
     finally:
-        wait_until(lambda: _deleted("compat-vol"), 30)
+        modal.Volume.delete("compat-vol")  # right after a terminate: its teardown is awaited
     with modal.Volume.ephemeral() as tmp:
-        assert modal.Volume.from_name(tmp.name).name == tmp.name
+        user = modal.Sandbox.create(app=app, image=BUSYBOX, volumes={"/t": tmp})
+        assert user.exec("touch", "/t/x").wait() == 0
+        user.terminate()  # the block's end deletes the volume this sandbox just let go
     with pytest.raises(modal.exception.NotFoundError):
         modal.Volume.from_name(tmp.name)
-
-
-def _deleted(name: str) -> bool:
-    try:
-        modal.Volume.delete(name)
-        return True
-    except modal.exception.Error:  # a sandbox just terminated may hold it a moment longer
-        return False
 
 
 def test_idle_timeout_ends_an_unused_sandbox(app):

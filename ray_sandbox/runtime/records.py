@@ -97,6 +97,11 @@ def owner_fields(detach: bool) -> dict[str, int | None]:
     return {"owner_pid": os.getpid(), "owner_start": me.start if me else None}
 
 
+def tombstone_file(sandboxes_dir: Path, sandbox_id: str) -> Path:
+    """Where a deleted sandbox's tombstone lies while its teardown runs."""
+    return sandboxes_dir / f"{sandbox_id}{_TOMBSTONE}"
+
+
 def check_id(sandbox_id: object) -> None:
     if not isinstance(sandbox_id, str) or not ID_RE.match(sandbox_id):
         raise SandboxNotFoundError(f"not a sandbox id: {sandbox_id!r}", sandbox_id=None)
@@ -230,7 +235,7 @@ class Records:
         self._tombstone_path(sandbox_id).unlink(missing_ok=True)
 
     def _tombstone_path(self, sandbox_id: str) -> Path:
-        return self.dir / f"{sandbox_id}{_TOMBSTONE}"
+        return tombstone_file(self.dir, sandbox_id)
 
     def tombstoned(self) -> set[str]:
         with self._lock:

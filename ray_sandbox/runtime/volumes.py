@@ -22,7 +22,7 @@ import shutil
 import socket
 import struct
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
@@ -38,11 +38,14 @@ from .errors import (
     VolumeInUseError,
     VolumeNotFoundError,
 )
+from .records import tombstone_file
 
 MIN_SIZE = 16 << 20  # a floor: below it the journal and ext4's metadata take much of the cap
 # A sandbox killed a moment ago may still hold the filesystem in its processes' mount
 # namespace (its loop device lives until they are reaped): how long a mount waits for that.
 _LOOP_GONE_WAIT_S = 5.0
+# How long a mount, delete or export waits for a deleted user's teardown to unbind it.
+_TEARDOWN_WAIT_S = 5.0
 
 
 class VolumeRecord(BaseModel):
@@ -116,14 +119,8 @@ class VolumeStore:
     def delete(self, name: str) -> None:
         """Remove the volume and its data; refused while a sandbox has it mounted."""
         self.inspect(name)
-        with self._locked():
-            users = self._users(name, self._table())
-            if users:
-                raise VolumeInUseError(
-                    f"volume {name!r} is mounted by sandbox(es) "
-                    f"{', '.join(u.sandbox_id for u in users)}: delete them first",
-                    sandbox_id=users[0].sandbox_id,
-                )
+        with self._when_free(lambda t: [(name, u) for u in self._users(name, t)],
+                             "delete them first"):
             vdir = self._dir(name)
             _mount.unmount(vdir / "mnt")
             if os.path.ismount(vdir / "mnt"):
@@ -145,12 +142,8 @@ class VolumeStore:
         The volume must be idle; the image is copied aside under the lock (sparse, time and
         space as its used bytes), so sandboxes may mount it again while the copy streams."""
         self.inspect(name)
-        with self._locked():
-            users = self._users(name, self._table())
-            if users:
-                raise VolumeInUseError(f"volume {name!r} is mounted by sandbox "
-                                        f"{users[0].sandbox_id}: it is copied only when idle",
-                                        sandbox_id=users[0].sandbox_id)
+        with self._when_free(lambda t: [(name, u) for u in self._users(name, t)],
+                             "it is copied only when idle"):
             _mount.unmount(self._dir(name) / "mnt")  # idle but mounted: flush it to the image
             self._wait_unbound(name, None)
             aside = self.root / f".export-{name}-{os.getpid()}-{time.monotonic_ns()}"
@@ -199,44 +192,52 @@ class VolumeStore:
                 raise ConfigError(f"volume {name!r} is mounted twice, once read-write",
                                   sandbox_id=sandbox_id)
             wanted[name] = readonly
-        deadline = time.monotonic() + _LOOP_GONE_WAIT_S
+        for name in wanted:
+            if self._record(name) is None:
+                raise ConfigError(f"volume {name!r} does not exist on this node "
+                                  f"({self.node})", sandbox_id=sandbox_id)
+        with self._when_free(lambda t: self._blockers(wanted, t),
+                             "a read-write volume is mounted by one sandbox at a time (a fork "
+                             "or copy of a sandbox with a read-write volume needs its source "
+                             "gone first, or the volume read-only)", sandbox_id) as table:
+            # Made before any mount: the sandbox's teardown releases volumes only if it exists.
+            binds[0][2].parent.mkdir(exist_ok=True)
+            for name in wanted:
+                self._ensure_mounted(name, table, sandbox_id)
+            for name, readonly, target in binds:
+                _mount.bind(self._dir(name) / "mnt", target, readonly=readonly,
+                            sandbox_id=sandbox_id)
+
+    @contextmanager
+    def _when_free(self, blockers: Callable[[_Table], list[tuple[str, VolumeUse]]],
+                   advice: str, sandbox_id: str | None = None) -> Iterator[_Table]:
+        """The lock and the mount table once ``blockers(table)`` names no user. Users that
+        were deleted and are still being torn down (``delete`` returns before the unbind)
+        are waited for, up to ``_TEARDOWN_WAIT_S``; a live one is refused at once."""
+        deadline = time.monotonic() + _TEARDOWN_WAIT_S
         while True:
             with self._locked():
                 table = self._table()
-                for name in wanted:
-                    if self._record(name) is None:
-                        raise ConfigError(f"volume {name!r} does not exist on this node "
-                                          f"({self.node})", sandbox_id=sandbox_id)
-                blocker = self._blocker(wanted, table)
-                if blocker is None:
-                    # Made before any mount: the teardown releases volumes only if it exists.
-                    binds[0][2].parent.mkdir(exist_ok=True)
-                    for name in wanted:
-                        self._ensure_mounted(name, table, sandbox_id)
-                    for name, readonly, target in binds:
-                        _mount.bind(self._dir(name) / "mnt", target, readonly=readonly,
-                                    sandbox_id=sandbox_id)
+                found = blockers(table)
+                if not found:
+                    yield table
                     return
-                name, u = blocker
-                dying = (self._sandboxes / f"{u.sandbox_id}.tombstone").exists()
+                dying = all(tombstone_file(self._sandboxes, u.sandbox_id).exists()
+                            for _, u in found)
                 if not dying or time.monotonic() > deadline:
+                    name, u = found[0]
                     raise VolumeInUseError(
-                        f"volume {name!r} is mounted {'read-only' if u.readonly else 'read-write'}"
-                        f" by sandbox {u.sandbox_id}"
-                        f"{' (deleted, its teardown still running)' if dying else ''}: a "
-                        "read-write volume is mounted by one sandbox at a time (a fork or copy "
-                        "of a sandbox with a read-write volume needs its source gone first, or "
-                        "the volume read-only)", sandbox_id=sandbox_id,
-                    )
+                        f"volume {name!r} is mounted by sandbox {u.sandbox_id} "
+                        f"({'read-only' if u.readonly else 'read-write'}"
+                        f"{'; deleted, its teardown still running' if dying else ''}): "
+                        f"{advice}", sandbox_id=sandbox_id or u.sandbox_id)
             time.sleep(0.05)  # outside the lock: the teardown takes it to let go
 
-    def _blocker(self, wanted: dict[str, bool], table: _Table) -> tuple[str, VolumeUse] | None:
-        """The first (volume, user) that keeps ``wanted`` from being mounted, if any."""
-        for name, readonly in wanted.items():
-            users = self._users(name, table)
-            if users and not (readonly and all(u.readonly for u in users)):
-                return name, users[0]
-        return None
+    def _blockers(self, wanted: dict[str, bool], table: _Table) -> list[tuple[str, VolumeUse]]:
+        """The (volume, user) pairs that keep ``wanted`` from being mounted."""
+        return [(name, u) for name, readonly in wanted.items()
+                if (users := self._users(name, table))
+                and not (readonly and all(u.readonly for u in users)) for u in users]
 
     def release_idle(self) -> list[str]:
         """Unmount every volume no sandbox has bound any more; returns their names."""

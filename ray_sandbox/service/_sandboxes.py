@@ -391,11 +391,11 @@ class Sandboxes:
     async def _run_direct(self, handle: Any, command: list[str] | str,
                           kw: dict[str, Any]) -> ExecResult:
         """``handle.run`` in a thread: the node-local channel when the sandbox is on this
-        replica's node (``actor/channel.py``), else the actor call, blocking. A DELETE does
-        not wait for the thread, which ends with the command (its timeout, or the sandbox's
-        deletion)."""
+        replica's node (``actor/channel.py``), else the actor call, blocking. Not abandoned
+        when cancelled (a DELETE cancels and does not wait): the thread and its count are
+        given back only when the command ends (its timeout, or the sandbox's deletion), so
+        their number stays bounded."""
         return await anyio.to_thread.run_sync(partial(handle.run, command, **kw),
-                                              abandon_on_cancel=True,
                                               limiter=self._direct_threads)
 
     def _direct_done(self, _: asyncio.Future[ExecResult]) -> None:
