@@ -126,7 +126,12 @@ DRIVER = textwrap.dedent(
     # copies follow the same rule: tied to this job unless detached
     c = sandbox.fork(b, lifetime="detached")[0]
     d = sandbox.fork(b)[0]
-    print(a.sandbox_id, b.sandbox_id, c.sandbox_id, d.sandbox_id, flush=True)
+    # a detached sandbox suspended and resumed here stays detached
+    e = sandbox.create(image="ray-sandbox/busybox", cpu=0.1, memory="64Mi", name="resumed",
+                       lifetime="detached")
+    ray.get(e.suspend.remote())
+    e = sandbox.resume("resumed")
+    print(a.sandbox_id, b.sandbox_id, c.sandbox_id, d.sandbox_id, e.sandbox_id, flush=True)
     """
 )
 
@@ -137,7 +142,7 @@ def test_owner_tied_and_detached_lifetimes(ray_cluster):
                          timeout=120, env={**os.environ, "RAY_ADDRESS":
                                            ray.get_runtime_context().gcs_address})
     assert out.returncode == 0, out.stderr[-2000:]
-    owned, kept, kept_copy, owned_copy = out.stdout.split()
+    owned, kept, kept_copy, owned_copy, resumed = out.stdout.split()
     deadline = time.time() + 20
     while time.time() < deadline:
         ids = {h.sandbox_id for h in sandbox.list()}
@@ -146,9 +151,9 @@ def test_owner_tied_and_detached_lifetimes(ray_cluster):
         time.sleep(0.25)
     assert owned not in ids, "the driver's sandbox outlived its driver"
     assert owned_copy not in ids, "the driver's copy outlived its driver"
-    assert kept in ids and kept_copy in ids, "a detached sandbox died with its driver"
+    assert {kept, kept_copy, resumed} <= ids, "a detached sandbox died with its driver"
     for h in sandbox.list():
-        if h.sandbox_id in (kept, kept_copy):
+        if h.sandbox_id in (kept, kept_copy, resumed):
             ray.get(h.terminate.remote())
 
 

@@ -14,7 +14,7 @@ import ray
 
 from ..runtime.errors import ConfigError, SandboxNotFoundError
 from ..runtime.snapshot import Snapshot
-from .host import NAME_LABEL, SUSPENDED_LABEL, current_job
+from .host import DETACHED_LABEL, NAME_LABEL, SUSPENDED_LABEL, current_job
 from .hosts import ask_hosts, call_host
 from .placement import Placement, check_lifetime, copy_bundle, copy_node, remove_pg, reserve
 
@@ -89,9 +89,10 @@ def resume(key: str, *, placement: Placement = "any", timeout: float | None = No
     with a new reservation; its snapshot is deleted."""
     snap = _find_suspended(key)
     name = snap.labels.get(NAME_LABEL)
+    lifetime = "detached" if snap.labels.get(DETACHED_LABEL) else None  # as it was
     pg_hex, node = reserve(copy_bundle(snap), node_id=copy_node(snap, placement), name=name,
-                           timeout=timeout)
-    copy = _restore_on(node, pg_hex, snap, name, snap.labels[SUSPENDED_LABEL])
+                           lifetime=lifetime, timeout=timeout)
+    copy = _restore_on(node, pg_hex, snap, name, snap.labels[SUSPENDED_LABEL], lifetime)
     delete_snapshot(snap)
     return copy
 

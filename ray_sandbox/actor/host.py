@@ -52,6 +52,7 @@ from .transfer import SnapshotImports, fetch, rechunk
 NAMESPACE = "ray_sandbox"
 NAME_LABEL = "ray-sandbox/name"
 SUSPENDED_LABEL = "ray-sandbox/suspended"  # snapshot label: id of the sandbox it suspends
+DETACHED_LABEL = "ray-sandbox/detached"  # snapshot label: the suspended sandbox was detached
 _WATCH_INTERVAL = 1.0
 _BOOT_PARALLEL = 16  # sandboxes booting at once on one host; more only queue in the kernel
 _REFILL_QUIET_S = 0.1  # the stock refills once creates paused this long (first commands run)
@@ -443,6 +444,9 @@ class SandboxHost:
         name = rec.config.get("labels", {}).get(NAME_LABEL)
         if name:
             labels[NAME_LABEL] = name
+        with self._lock:
+            if sandbox_id not in self._jobs:  # no owning job: it comes back detached
+                labels[DETACHED_LABEL] = "1"
         snap = self.snapshot(sandbox_id, labels=labels, detach=True)
         self.delete(sandbox_id)
         return snap
@@ -571,5 +575,5 @@ def start_host(node_id: str, home: str | None = None) -> Any:
     ).remote(home)
 
 
-__all__ = ["NAME_LABEL", "NAMESPACE", "SUSPENDED_LABEL", "SandboxHost", "current_job",
-           "start_host"]
+__all__ = ["DETACHED_LABEL", "NAME_LABEL", "NAMESPACE", "SUSPENDED_LABEL", "SandboxHost",
+           "current_job", "start_host"]
