@@ -206,9 +206,12 @@ def test_the_cli_drives_a_service_with_url_and_token(service: Service, tmp_path)
         listed = json.loads(run("ps", "--json").stdout)
         assert [r["state"] for r in listed if r["sandbox_id"] == sid] == ["running"]
         gc = run("gc")
-        assert gc.returncode == 2 and "this node's sandboxes only" in gc.stderr
+        assert gc.returncode == 2 and "works on this node only" in gc.stderr
+        volume = run("volume", "ls")  # node-only groups refuse a URL too
+        assert volume.returncode == 2 and "works on this node only" in volume.stderr
     finally:
         assert run("rm", sid).returncode == 0
+    assert run("rm", sid).returncode == 0  # idempotent, as the service's DELETE is
     with SandboxClient(service.url, TOKENS["alice"]) as c:
         assert sid not in {sb.sandbox_id for sb in c.list()}
     # run: a fresh sandbox for one command, deleted after it

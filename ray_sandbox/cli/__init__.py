@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import typer
+from rich.console import Console
 
 from . import _remote
 from .doctor import doctor
@@ -13,10 +14,12 @@ from .serve import serve
 from .volumes import app as volume_app
 
 app = typer.Typer(help="Isolated gVisor sandboxes for Ray programs.", no_args_is_help=True)
+err = Console(stderr=True)
 
 
 @app.callback()
 def _main(
+    ctx: typer.Context,
     url: str | None = typer.Option(
         None, envvar="RAY_SANDBOX_URL",
         help="an HTTP service (ray-sandbox serve) to send run, create, exec, ps, rm and cp "
@@ -25,6 +28,10 @@ def _main(
                                      help="the service token (with --url)"),
 ) -> None:
     _remote.target(url, token)
+    if url and ctx.invoked_subcommand not in _remote.COMMANDS:
+        err.print(f"[red]error:[/red] '{ctx.invoked_subcommand}' works on this node only, "
+                  f"not over --url (over a service: {', '.join(sorted(_remote.COMMANDS))})")
+        raise typer.Exit(2)
 
 
 app.add_typer(image_app, name="image", help="Pull, build, list and remove images.")

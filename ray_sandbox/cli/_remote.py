@@ -1,8 +1,8 @@
 """The sandbox commands over the HTTP service (docs/service.md) instead of this node's runtime:
 ``ray-sandbox --url URL --token TOKEN exec ID -- ls`` (or ``RAY_SANDBOX_URL`` and
-``RAY_SANDBOX_API_TOKEN`` in the environment). Only what the service offers: ``gc`` and
-``logs`` concern one node and refuse a URL. The client is imported only then: it needs
-httpx (the ``client`` extra), the rest of the CLI does not."""
+``RAY_SANDBOX_API_TOKEN`` in the environment). Only what the service offers (``COMMANDS``);
+the other commands concern one node and refuse a URL (the root command checks). The client
+is imported only then: it needs httpx (the ``client`` extra), the rest of the CLI does not."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from ..runtime.results import ExecResult
 if TYPE_CHECKING:
     from ..client import SandboxClient
 
+COMMANDS = frozenset({"run", "create", "exec", "ps", "rm", "cp"})  # what a service offers
 _target: dict[str, str | None] = {"url": None, "token": None}
 
 
@@ -34,11 +35,6 @@ def client() -> SandboxClient | None:
 
     return SandboxClient(_target["url"], _target["token"])
 
-
-def refuse(command: str) -> None:
-    """``command`` concerns this node only."""
-    if _target["url"]:
-        raise ConfigError(f"'{command}' works on this node's sandboxes only, not over --url")
 
 
 def _options(config: SandboxConfig) -> dict[str, Any]:
@@ -69,21 +65,20 @@ def exec_(c: SandboxClient, sandbox_id: str, command: str | list[str],
 
 def ps(c: SandboxClient) -> list[dict[str, Any]]:
     try:
-        rows = []
-        for sb in c.list():
-            st = sb.status()
-            rows.append({"sandbox_id": st["sandbox_id"], "state": st["status"],
-                         "reason": st.get("reason"), "image": st.get("image"),
-                         "network": None, "created_at": st.get("created_at"),
-                         "owner_pid": None})
-        return rows
+        return [{"sandbox_id": st["sandbox_id"], "state": st["status"],
+                 "reason": st.get("reason"), "image": st.get("image"), "network": None,
+                 "created_at": st.get("created_at"), "owner_pid": None}
+                for st in c.statuses()]
     finally:
         c.close()
 
 
 def rm(c: SandboxClient, sandbox_id: str) -> None:
+    """Idempotent, as the service's DELETE is: no lookup first."""
+    from ..client import Sandbox
+
     try:
-        c.get(sandbox_id).terminate()
+        Sandbox(c, sandbox_id).terminate()
     finally:
         c.close()
 

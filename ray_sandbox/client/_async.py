@@ -129,9 +129,12 @@ class AsyncSandboxClient:
         return sb
 
     async def list(self, labels: Mapping[str, str] | None = None) -> list[AsyncSandbox]:
+        return [AsyncSandbox(self, s["sandbox_id"]) for s in await self.statuses(labels)]
+
+    async def statuses(self, labels: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
         params = {"label": [f"{k}={v}" for k, v in (labels or {}).items()]}
         r = await self._run(_ops.one("GET", "/sandboxes", params=params))
-        return [AsyncSandbox(self, s["sandbox_id"]) for s in r.json()["sandboxes"]]
+        return r.json()["sandboxes"]
 
     async def restore(self, snapshot_id: str, k: int = 1) -> list[AsyncSandbox]:
         """``k`` running copies of a snapshot this tenant took."""
