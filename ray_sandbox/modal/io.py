@@ -73,7 +73,9 @@ class Process:
         return TIMED_OUT if self._result.timed_out else self._result.exit_code
 
     # The result is set only under _pump_lock, after any output a read took was kept: a
-    # reader that sees the process finished has all of its stream in _pending.
+    # reader that sees the process finished has all of its stream in _pending. Every hold of
+    # the lock is one host call of at most _READ_WAIT_S, so readers, wait() and poll() take
+    # turns (a wait holding it for long starved the readers and their output overflowed).
     def poll(self) -> int | None:
         with self._pump_lock:
             if self._result is None:
@@ -82,17 +84,19 @@ class Process:
 
     def wait(self) -> int:
         while self._result is None:
-            with self._pump_lock:
-                if self._result is None:
-                    self._finished(self._op("wait", 5.0))
+            self._pump(None)
         return self.returncode  # type: ignore[return-value]
 
-    def _pump(self) -> None:
+    def _pump(self, which: int | None) -> None:
         """One read of both streams from the host (waiting up to _READ_WAIT_S), or the exit
-        when there was nothing."""
+        when there was nothing; none if stream ``which`` got output meanwhile."""
         with self._pump_lock:
             if self._result is not None:
                 return
+            if which is not None:
+                with self._lock:
+                    if self._pending[which]:  # another reader's read brought ours
+                        return
             out, err = self._op("read_both", _READ_WAIT_S)
             if out or err:
                 with self._lock:
@@ -113,7 +117,7 @@ class Process:
             elif done:
                 return
             else:
-                self._pump()
+                self._pump(which)
 
     def stdout_chunks(self) -> Iterator[bytes]:
         return self._chunks(0)

@@ -12,6 +12,7 @@ then ``{"type": "exit", "exit_code", "stdout", "stderr", "timed_out", "signal",
 
 from __future__ import annotations
 
+import codecs
 import json
 import secrets
 import time
@@ -66,15 +67,18 @@ async def lines(stream: Stream, call: Call, timeout: float,
     deadline = time.monotonic() + timeout
     proc = stream.handle.process
     timed_out = False
+    # a character split between two reads is decoded whole (a decoder per stream)
+    text = {name: codecs.getincrementaldecoder("utf-8")(errors="replace")
+            for name in ("stdout", "stderr")}
     try:
         yield _line(type="start", exec_id=stream.exec_id)
         sent = time.monotonic()
         while True:
             out, err = await call(proc.remote(stream.key, "read_both", READ_WAIT))
             if out:
-                yield _line(type="stdout", data=out.decode("utf-8", "replace"))
+                yield _line(type="stdout", data=text["stdout"].decode(out))
             if err:
-                yield _line(type="stderr", data=err.decode("utf-8", "replace"))
+                yield _line(type="stderr", data=text["stderr"].decode(err))
             if out or err:
                 sent = time.monotonic()
                 continue
@@ -83,6 +87,9 @@ async def lines(stream: Stream, call: Call, timeout: float,
                 sent = time.monotonic()
             result = await call(proc.remote(stream.key, "wait", 0))
             if result is not None:
+                for name, decoder in text.items():  # an incomplete character at the end
+                    if rest := decoder.decode(b"", final=True):
+                        yield _line(type=name, data=rest)
                 yield _exit_line(result, timed_out)
                 return
             if time.monotonic() > deadline and not timed_out:
