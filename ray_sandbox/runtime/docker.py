@@ -42,15 +42,9 @@ from .agent.client import AgentClient
 from .config import SandboxConfig
 from .errors import ImageBuildError, SandboxCreationError, SandboxError
 from .images import LOCAL_NAMESPACE, Image
-from .images.store import LOCAL_IMAGES
 from .spec import Mount
 
-DOCKER_IMAGE = f"{LOCAL_NAMESPACE}/docker:latest"
-# The store builds local images from this table (images/store.py). The entry is added here,
-# with the rest of the Docker support, because every path to a sandbox (launch), the CLI,
-# Harbor and the tests import this module; it belongs in the table itself, which this
-# module's owner may not edit (a plain ImageStore().get() without this import finds none).
-LOCAL_IMAGES.setdefault(DOCKER_IMAGE, image_builders.write_docker_layout)
+DOCKER_IMAGE = f"{LOCAL_NAMESPACE}/docker:latest"  # built offline (images/store.py)
 DOCKER_ROOT = "/var/lib/docker"
 CGROUP_ROOT = "/sys/fs/cgroup"
 DOCKERD_LOG = "/var/log/rsb-dockerd.log"

@@ -59,6 +59,7 @@ class _Resolved(NamedTuple):
 LOCAL_IMAGES: dict[str, Callable[..., None]] = {
     f"{LOCAL_NAMESPACE}/busybox:latest": image_builders.write_busybox_layout,
     f"{LOCAL_NAMESPACE}/python:latest": image_builders.write_python_layout,
+    f"{LOCAL_NAMESPACE}/docker:latest": image_builders.write_docker_layout,  # docker.py
 }
 
 
