@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -60,6 +61,33 @@ def test_a_deleted_users_teardown_is_waited_for(runtime, volume):
             runtime.create(image=BUSYBOX, memory="64Mi", volumes={"/ws": volume})
     finally:
         runtime.delete(b, wait=True)
+
+
+def test_on_delete_delete_removes_the_volume_with_its_last_user(runtime):
+    vols = runtime.volumes
+    vols.create("scratch-a", "16Mi")
+    mount = {"name": "scratch-a", "readonly": True, "on_delete": "delete"}
+    a = runtime.create(image=BUSYBOX, memory="64Mi", volumes={"/s": mount})
+    b = runtime.create(image=BUSYBOX, memory="64Mi", volumes={"/s": mount})
+    runtime.delete(a, wait=True)
+    assert [u.sandbox_id for u in vols.inspect("scratch-a").mounts] == [b]  # b still uses it
+    runtime.delete(b, wait=True)
+    with pytest.raises(VolumeNotFoundError):
+        vols.inspect("scratch-a")
+    assert not (vols.root / "scratch-a").exists()
+    # the same through a TTL, and the default keeps a volume
+    vols.create("scratch-b", "16Mi")
+    vols.create("kept-c", "16Mi")
+    try:
+        c = runtime.create(image=BUSYBOX, memory="64Mi", ttl_seconds=1, volumes={
+            "/s": {"name": "scratch-b", "on_delete": "delete"}, "/k": "kept-c"})
+        deadline = time.time() + 30
+        while time.time() < deadline and "scratch-b" in [v.name for v in vols.list()]:
+            time.sleep(0.1)
+        assert [v.name for v in vols.list()] == ["kept-c"]
+        assert runtime.get_status(c).reason == "TTLExpired"
+    finally:
+        vols.delete("kept-c")
 
 
 def test_data_survives_delete_and_recreate(runtime, volume):

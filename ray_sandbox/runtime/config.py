@@ -167,6 +167,10 @@ class VolumeMount(BaseModel):
 
     name: str
     readonly: bool = False
+    on_delete: Literal["retain", "delete"] = Field(
+        "retain", description="what happens to the volume when this sandbox ends (delete, "
+        "TTL, idle timeout, its owner's death): kept, or deleted with its data once no "
+        "sandbox has it mounted (a volume another sandbox still uses is kept)")
 
     @field_validator("name")
     @classmethod

@@ -32,6 +32,8 @@ from .errors import (
     SandboxError,
     SandboxStateError,
     SnapshotCorruptError,
+    VolumeInUseError,
+    VolumeNotFoundError,
 )
 from .images import Image, ImageStore
 from .records import ID_RE, Records, SandboxRecord, owner_fields
@@ -448,10 +450,27 @@ class Launcher:
                 # it (and the tombstone) for the next gc.
                 raise SandboxStateError(f"volume binds still mounted under {sdir.volumes}",
                                         sandbox_id=sandbox_id)
+            if rec is not None:
+                self._delete_volumes_with(rec, errors)
         sdir.remove()
         self._records.unbury(sandbox_id)
         if errors:
             raise errors[0]
+
+    def _delete_volumes_with(self, rec: SandboxRecord, errors: list[Exception]) -> None:
+        """The sandbox's ``on_delete="delete"`` volumes, each unless another sandbox still
+        has it mounted (then the last user's teardown, if it says so too, or a person)."""
+        for mount in rec.sandbox_config.volumes.values():
+            if mount.on_delete != "delete":
+                continue
+            try:
+                self.volumes.delete(mount.name)
+            except VolumeInUseError:
+                continue  # still used elsewhere: kept
+            except VolumeNotFoundError:
+                continue  # deleted meanwhile
+            except SandboxError as exc:
+                errors.append(exc)
 
     def _settle(self, sandbox_id: str) -> None:
         """An id is used again only once its previous sandbox is gone: a pending teardown
