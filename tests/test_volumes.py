@@ -90,6 +90,23 @@ def test_on_delete_delete_removes_the_volume_with_its_last_user(runtime):
         vols.delete("kept-c")
 
 
+def test_a_tool_bundle_is_on_path_after_the_images_own_tools(runtime, volume):
+    writer = runtime.create(image=BUSYBOX, memory="64Mi", volumes={"/t": volume})
+    assert runtime.exec(writer, "mkdir -p /t/bin && printf '#!/bin/sh\\necho tool $1\\n' "
+                                "> /t/bin/mytool && cp /t/bin/mytool /t/bin/ls && "
+                                "chmod +x /t/bin/*").exit_code == 0
+    runtime.delete(writer, wait=True)
+    user = runtime.create(image=BUSYBOX, memory="64Mi", volumes={
+        "/opt/tools": {"name": volume, "readonly": True, "tools": True}})
+    try:
+        assert runtime.exec(user, "mytool 1").stdout == "tool 1\n"
+        # the bundle's own ls comes after the image's: it cannot shadow it
+        assert runtime.exec(user, "command -v ls").stdout.strip() != "/opt/tools/bin/ls"
+        assert runtime.exec(user, "echo $PATH").stdout.strip().endswith(":/opt/tools/bin")
+    finally:
+        runtime.delete(user, wait=True)
+
+
 def test_data_survives_delete_and_recreate(runtime, volume):
     a = runtime.create(image=BUSYBOX, memory="64Mi", volumes={"/ws": volume})
     info = runtime.volumes.inspect(volume)

@@ -167,6 +167,9 @@ class VolumeMount(BaseModel):
 
     name: str
     readonly: bool = False
+    tools: bool = Field(
+        False, description="a tool bundle: its bin/ is appended to every command's PATH, "
+        "after the image's own directories (nothing else of its environment is set)")
     on_delete: Literal["retain", "delete"] = Field(
         "retain", description="what happens to the volume when this sandbox ends (delete, "
         "TTL, idle timeout, its owner's death): kept, or deleted with its data once no "

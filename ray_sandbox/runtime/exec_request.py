@@ -37,7 +37,8 @@ def argv_of(rec: SandboxRecord, command: str | list[str], shell: str | None) -> 
 
 
 def env_of(rec: SandboxRecord, env: Mapping[str, str] | None) -> list[str]:
-    """The image's environment, then the sandbox's, then the call's."""
+    """The image's environment, then the sandbox's, then the call's; tool bundles' bin/
+    directories end PATH."""
     if env is not None and not isinstance(env, Mapping):
         raise ConfigError("env must be a mapping of names to strings", sandbox_id=rec.sandbox_id)
     merged = {**rec.config.get("env", {}), **(env or {})}
@@ -47,7 +48,12 @@ def env_of(rec: SandboxRecord, env: Mapping[str, str] | None) -> list[str]:
                               sandbox_id=rec.sandbox_id)
         if not k or "=" in k or "\0" in k or "\0" in v:
             raise ExecError(f"invalid environment variable {k!r}", sandbox_id=rec.sandbox_id)
-    return bundle.merge_env(rec.image_env, merged)
+    out = bundle.merge_env(rec.image_env, merged)
+    tools = [f"{path}/bin" for path, mount in rec.config.get("volumes", {}).items()
+             if mount.get("tools")]
+    if tools:  # appended, never ahead: a bundle cannot shadow the image's own commands
+        out = [f"{e}:{':'.join(tools)}" if e.startswith("PATH=") else e for e in out]
+    return out
 
 
 def exec_args(

@@ -37,6 +37,17 @@ def test_env_layers_image_then_sandbox_then_call(rec):
     assert "LANG=C" not in env and "MODE=sb" not in env
 
 
+def test_tool_bundles_end_path_and_set_nothing_else(rec):
+    rec = rec.model_copy(update={"config": {**rec.config, "volumes": {
+        "/opt/tools": {"name": "t", "readonly": True, "tools": True},
+        "/data": {"name": "d", "readonly": True, "tools": False}}}})
+    env = exec_args(rec, ["x"])["env"]
+    assert [e for e in env if e.startswith("PATH=")] == ["PATH=/bin:/opt/tools/bin"]
+    # a caller's own PATH gets them too, after its directories
+    env = exec_args(rec, ["x"], env={"PATH": "/mine"})["env"]
+    assert [e for e in env if e.startswith("PATH=")] == ["PATH=/mine:/opt/tools/bin"]
+
+
 def test_defaults_come_from_the_config_then_the_image(rec):
     args = exec_args(rec, ["x"])
     assert (args["cwd"], args["user"], args["timeout"]) == ("/srv", "app", 30.0)
