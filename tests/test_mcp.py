@@ -141,6 +141,27 @@ def test_endless_python_times_out_and_the_server_keeps_serving(
     run(main)
 
 
+def test_a_workspace_volume_survives_reset_and_ends_with_the_connection(
+    runtime: SandboxRuntime,
+) -> None:
+    server = SandboxMCPServer(MCPServerConfig(workspace_volume="32Mi"), runtime)
+
+    async def main() -> None:
+        async with Client(server.mcp) as alice, Client(server.mcp) as bob:
+            first = await call(alice, "write_file", path="kept.txt", content="across resets")
+            await call(alice, "write_file", path="/tmp/gone", content="sandbox-only")
+            await call(alice, "reset_sandbox")
+            again = await call(alice, "read_file", path="kept.txt")
+            assert again["content"] == "across resets" and again["session"] != first["session"]
+            assert "No such file" in await call_error(alice, "read_file", path="/tmp/gone")
+            # another connection has its own workspace
+            assert "No such file" in await call_error(bob, "read_file", path="kept.txt")
+            assert len(runtime.volumes.list()) == 2
+        assert runtime.volumes.list() == [] and runtime.list() == []
+
+    run(main)
+
+
 def test_idle_session_is_ended(runtime: SandboxRuntime) -> None:
     server = SandboxMCPServer(MCPServerConfig(idle_timeout=1), runtime)
 

@@ -62,6 +62,9 @@ def serve(
                                                env="IDLE_TIMEOUT")] = None,
     max_sessions: Annotated[int | None, _opt("sessions alive at once",
                                              env="MAX_SESSIONS")] = None,
+    workspace_volume: Annotated[str | None, _opt(
+        "a workspace volume of this size per client connection (e.g. 256Mi): files survive "
+        "reset_sandbox", env="WORKSPACE_VOLUME")] = None,
     config: Annotated[Path | None, _opt("JSON file of server settings", env="CONFIG")] = None,
     opt: Opts = None,
 ) -> None:
@@ -81,7 +84,7 @@ def serve(
         transport=transport, host=host, port=port, path=path, token=token,
         require_token=False if no_auth else None, default_timeout=timeout,
         max_timeout=max_timeout, max_output_bytes=max_output_bytes, idle_timeout=idle_timeout,
-        max_sessions=max_sessions,
+        max_sessions=max_sessions, workspace_volume=workspace_volume,
     ))
     try:
         data["sandbox"] = sandbox_config(opt, base, image=image, cpu=cpu, memory=memory,

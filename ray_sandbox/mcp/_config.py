@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
-from ..runtime.config import SandboxConfig
+from ..runtime.config import SandboxConfig, parse_size
 from ..runtime.images import is_loopback
 
 Transport = Literal["stdio", "http"]
@@ -34,6 +34,11 @@ class MCPServerConfig(BaseModel):
     max_dir_entries: int = Field(1000, gt=0, description="list_dir returns at most this many")
     idle_timeout: float = Field(1800.0, gt=0, description="seconds before an idle session ends")
     max_sessions: int = Field(32, gt=0, description="sessions (sandboxes) alive at once")
+    workspace_volume: str | None = Field(
+        None, description="size of a workspace volume (e.g. '256Mi') each client connection "
+        "gets at the sandbox's working directory: its files survive reset_sandbox and idle "
+        "ends, and it is deleted when the connection ends; None = files live and die with "
+        "the session's sandbox")
     transport: Transport = "stdio"
     host: str = "127.0.0.1"
     port: int = Field(8765, ge=0, le=65535)
@@ -45,6 +50,10 @@ class MCPServerConfig(BaseModel):
     def _checks(self) -> MCPServerConfig:
         if self.default_timeout > self.max_timeout:
             raise ValueError("default_timeout exceeds max_timeout")
+        if self.workspace_volume is not None:
+            parse_size(self.workspace_volume)  # a bad size fails here, not at the first call
+            if self.sandbox.volumes:
+                raise ValueError("workspace_volume and sandbox volumes= cannot be combined")
         if self.transport != "http":
             return self
         if self.require_token and not (self.token and self.token.get_secret_value()):

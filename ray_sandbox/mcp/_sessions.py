@@ -49,6 +49,8 @@ class Sessions:
         self._config = config
         self._by_handle: dict[str, Session] = {}
         self._by_scope: dict[str, Session] = {}
+        # scope (or, without one, session handle) -> its workspace volume (workspace_volume)
+        self._workspaces: dict[str, str] = {}
 
     def _find(self, handle: str | None, scope: str | None) -> Session | None:
         if handle is not None:
@@ -82,15 +84,46 @@ class Sessions:
                 if session.ended:  # ended while this call waited for the lock
                     raise SessionError(f"session {session.handle!r} ended; call again")
                 if session.sandbox_id is None:
-                    session.sandbox_id = await anyio.to_thread.run_sync(self._create)
+                    volume = await self._workspace(session)
+                    session.sandbox_id = await anyio.to_thread.run_sync(self._create, volume)
             yield session.handle, session.sandbox_id
         finally:
             session.busy -= 1
             session.last_used = time.monotonic()
 
-    def _create(self) -> str:
+    async def _workspace(self, session: Session) -> str | None:
+        """The session's workspace volume, made on first use. It lives as long as the
+        connection (scope), else the session. At most ``max_sessions`` exist: past that the
+        oldest one whose connection has no session left is deleted first."""
+        size = self._config.workspace_volume
+        if size is None:
+            return None
+        key = session.scope or f"session:{session.handle}"
+        if key in self._workspaces:
+            return self._workspaces[key]
+        if len(self._workspaces) >= self._config.max_sessions:
+            live = set(self._by_scope) | {f"session:{h}" for h in self._by_handle}
+            idle = next((k for k in self._workspaces if k not in live), None)
+            if idle is None:
+                raise SessionError(f"{len(self._workspaces)} workspaces exist, the server's "
+                                   "limit; end a session or try again later")
+            await self._drop_workspace(idle)
+        name = f"mcp-ws-{secrets.token_hex(8)}"
+        self._workspaces[key] = name  # before the await: a second call finds it
+        try:
+            await anyio.to_thread.run_sync(self._runtime.volumes.create, name, size)
+        except BaseException:
+            self._workspaces.pop(key, None)
+            raise
+        return name
+
+    def _create(self, volume: str | None) -> str:
         cfg = self._config.sandbox
-        return self._runtime.create(cfg, labels={**cfg.labels, **OWNER_LABEL})
+        extra: dict = {}
+        if volume is not None:
+            workdir = cfg.workdir or "/workspace"
+            extra = {"volumes": {workdir: volume}, "workdir": workdir}
+        return self._runtime.create(cfg, labels={**cfg.labels, **OWNER_LABEL}, **extra)
 
     async def end(self, handle: str | None, scope: str | None) -> str | None:
         """End the caller's session (its sandbox is deleted); returns its handle, or None when
@@ -108,6 +141,19 @@ class Sessions:
         session = self._by_scope.get(scope)
         if session is not None:
             await self._end(session)
+        await self._drop_workspace(scope)
+
+    async def _drop_workspace(self, key: str) -> None:
+        name = self._workspaces.pop(key, None)
+        if name is not None:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self._delete_volume, name)
+
+    def _delete_volume(self, name: str) -> None:
+        try:
+            self._runtime.volumes.delete(name)
+        except SandboxError as exc:  # left for an operator: `ray-sandbox volume rm`
+            log.warning("deleting workspace volume %s failed: %s", name, exc)
 
     async def _end(self, session: Session) -> None:
         # Forget it first, synchronously, so no new call can reach it.
@@ -120,6 +166,8 @@ class Sessions:
                 if session.sandbox_id is not None:
                     await anyio.to_thread.run_sync(self._delete, session.sandbox_id)
                     session.sandbox_id = None
+            if session.scope is None:  # a handle-only session's workspace ends with it
+                await self._drop_workspace(f"session:{session.handle}")
 
     def _delete(self, sandbox_id: str) -> None:
         try:
@@ -143,6 +191,8 @@ class Sessions:
             await self.reap_idle()
 
     async def close(self) -> None:
-        """End every session."""
+        """End every session and delete every workspace volume."""
         for session in list(self._by_handle.values()):
             await self._end(session)
+        for key in list(self._workspaces):
+            await self._drop_workspace(key)
