@@ -26,7 +26,8 @@ _LAZY = {name: "ray_sandbox.runtime" for name in _RUNTIME} | {
         "create", "create_from_template", "create_many", "get", "list", "shutdown",
         "fork", "restore", "resume", "delete_snapshot", "branching_rollout",
         "SandboxHandle", "SandboxPool", "SandboxTemplate", "Snapshot", "RolloutTree",
-        "make_template", "Sandbox",
+        "make_template", "Sandbox", "create_volume", "list_volumes", "inspect_volume",
+        "delete_volume", "copy_volume", "move_volume",
     )
 } | {"ExecutionResult": "ray_sandbox.runtime.results"}  # fmt: skip
 

@@ -18,6 +18,14 @@ from .pool import SandboxPool
 from .rollout import RolloutTree, branching_rollout
 from .sandbox_class import Sandbox
 from .template import SandboxTemplate, make_template
+from .volumes import (
+    copy_volume,
+    create_volume,
+    delete_volume,
+    inspect_volume,
+    list_volumes,
+    move_volume,
+)
 
 __all__ = [
     "RolloutTree",
@@ -27,14 +35,20 @@ __all__ = [
     "SandboxTemplate",
     "Snapshot",
     "branching_rollout",
+    "copy_volume",
     "create",
     "create_from_template",
     "create_many",
+    "create_volume",
     "delete_snapshot",
+    "delete_volume",
     "fork",
     "get",
+    "inspect_volume",
     "list",
+    "list_volumes",
     "make_template",
+    "move_volume",
     "restore",
     "resume",
     "shutdown",
