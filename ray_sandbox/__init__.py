@@ -27,7 +27,7 @@ _LAZY = {name: "ray_sandbox.runtime" for name in _RUNTIME} | {
         "fork", "restore", "resume", "delete_snapshot", "branching_rollout",
         "SandboxHandle", "SandboxPool", "SandboxTemplate", "Snapshot", "RolloutTree",
         "make_template", "Sandbox", "create_volume", "list_volumes", "inspect_volume",
-        "delete_volume", "copy_volume", "move_volume",
+        "delete_volume", "copy_volume", "move_volume", "fill_volume",
     )
 } | {"ExecutionResult": "ray_sandbox.runtime.results"}  # fmt: skip
 

@@ -20,6 +20,7 @@ from ray_sandbox.runtime import SandboxRuntime, SandboxState
 from ray_sandbox.runtime.errors import (
     ConfigError,
     SandboxCreationError,
+    SandboxError,
     VolumeInUseError,
     VolumeNotFoundError,
 )
@@ -105,6 +106,33 @@ def test_a_tool_bundle_is_on_path_after_the_images_own_tools(runtime, volume):
         assert runtime.exec(user, "echo $PATH").stdout.strip().endswith(":/opt/tools/bin")
     finally:
         runtime.delete(user, wait=True)
+
+
+def test_fill_unpacks_in_a_sandbox_and_keeps_members_inside(runtime, volume, tmp_path):
+    import io
+    import tarfile
+
+    from ray_sandbox.runtime import archive
+    from ray_sandbox.runtime.volumes import fill
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.txt").write_text("a")
+    (tmp_path / "d" / "ln").symlink_to("a.txt")
+    fill(runtime, volume, archive.tar_of(tmp_path / "d"), path="/data")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as t:
+        info = tarfile.TarInfo("../../escaped")
+        info.size = 1
+        t.addfile(info, io.BytesIO(b"x"))
+    with pytest.raises(SandboxError):
+        fill(runtime, volume, [buf.getvalue()])
+    user = runtime.create(image=BUSYBOX, memory="64Mi", volumes={"/v": f"{volume}:ro"})
+    try:
+        assert runtime.exec(user, "cat /v/data/ln; echo; ls -a /v").stdout.split() == \
+            ["a", ".", "..", "data", "lost+found"]
+    finally:
+        runtime.delete(user, wait=True)
+    assert runtime.list() == []  # the fill sandboxes are gone, the failed one too
 
 
 def test_data_survives_delete_and_recreate(runtime, volume):

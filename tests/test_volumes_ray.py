@@ -14,6 +14,7 @@ from ray_sandbox.actor.volumes import (
     copy_volume,
     create_volume,
     delete_volume,
+    fill_volume,
     inspect_volume,
     list_volumes,
     move_volume,
@@ -49,8 +50,14 @@ def test_sandboxes_go_to_their_volumes_node(tmp_path_factory, default_image, bus
         with pytest.raises(VolumeNotFoundError):
             volume_node(["no-such-volume"])
 
+        # filled from the driver's node: through the object store, unpacked on the far one
+        src = homes[0].parent / "fill-src"
+        (src / "seed").mkdir(parents=True)
+        (src / "seed" / "s.txt").write_text("seeded")
+        fill_volume("ray-ws", src, path="/pre")
         sb = api.create(image="ray-sandbox/busybox", memory="64Mi", volumes={"/ws": "ray-ws"})
         assert sb.node_id == far
+        assert ray.get(sb.exec.remote("cat /ws/pre/seed/s.txt")).stdout == "seeded"
         assert ray.get(sb.exec.remote("echo across > /ws/f")).exit_code == 0
         assert [u.readonly for u in inspect_volume("ray-ws").mounts] == [False]
         with pytest.raises(VolumeInUseError, match="mounted by"):

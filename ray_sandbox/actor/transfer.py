@@ -35,8 +35,9 @@ def fetch(refs: Iterable[ray.ObjectRef]) -> Iterator[bytes]:
         yield ray.get(ref)
 
 
-def _put(chunks: Iterable[bytes]) -> list[ray.ObjectRef]:
-    # An empty stream still sends one (empty) object: the host then writes an empty file.
+def put_chunks(chunks: Iterable[bytes]) -> list[ray.ObjectRef]:
+    """Bytes into the object store in ~4 MiB objects, for a task on another node to fetch.
+    An empty stream still sends one (empty) object: the host then writes an empty file."""
     return [ray.put(c) for c in rechunk(chunks)] or [ray.put(b"")]
 
 
@@ -45,7 +46,7 @@ def _put(chunks: Iterable[bytes]) -> list[ray.ObjectRef]:
 def upload_file(host: Any, sandbox_id: str, local: str | Path, remote: str) -> ray.ObjectRef:
     mode = Path(local).stat().st_mode & 0o7777
     with open(local, "rb") as f:
-        refs = _put(iter(lambda: f.read(archive.TRANSFER_CHUNK), b""))
+        refs = put_chunks(iter(lambda: f.read(archive.TRANSFER_CHUNK), b""))
     return host.write_from_refs.remote(sandbox_id, remote, refs, mode)
 
 
@@ -60,7 +61,7 @@ def download_file(host: Any, sandbox_id: str, remote: str, local: str | Path, *,
 
 
 def upload_dir(host: Any, sandbox_id: str, local: str | Path, remote: str) -> ray.ObjectRef:
-    refs = _put(archive.pack_local(Path(local)))
+    refs = put_chunks(archive.pack_local(Path(local)))
     return host.put_archive_from_refs.remote(sandbox_id, remote, refs)
 
 

@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from ..runtime import paths
+from ..runtime import SandboxRuntime, archive, paths
 from ..runtime.errors import ConfigError, VolumeNotFoundError
-from ..runtime.volumes import VolumeInfo, VolumeStore
-from .transfer import fetch
+from ..runtime.volumes import VolumeInfo, VolumeStore, fill
+from .transfer import fetch, put_chunks
 
 _TIMEOUT_S = 120.0  # a create runs mkfs; everything else is a directory listing
 _COPY_TIMEOUT_S = 3600.0  # a copy moves up to the volume's size between nodes
@@ -148,3 +149,19 @@ def volume_node(names: Iterable[str]) -> str:
         raise ConfigError(f"volumes {', '.join(names)} are on different nodes; a sandbox "
                           "mounts volumes of one node")
     return nodes.pop()
+
+
+@ray.remote(num_cpus=0)
+def _fill_on_node(name: str, refs: list[ray.ObjectRef], path: str) -> None:
+    with SandboxRuntime(paths.home(), reap=False) as rt:
+        fill(rt, name, fetch(refs), path=path)
+
+
+def fill_volume(name: str, source: str | Path, *, path: str = "/") -> None:
+    """Copy a local directory, or the members of a local tar file, into volume ``name``
+    under ``path``, on whichever node holds it: the bytes go through the object store and
+    are unpacked in a short-lived sandbox there (``runtime.volumes.fill``)."""
+    node = volume_node([name])  # first: an unknown name fails before anything is sent
+    refs = put_chunks(archive.tar_of(Path(source)))
+    ray.get(_fill_on_node.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+        node, soft=False)).remote(name, refs, path), timeout=_COPY_TIMEOUT_S)

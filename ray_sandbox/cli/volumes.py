@@ -1,9 +1,10 @@
-"""Volume commands: create, ls, inspect, rm (mounted as ``ray-sandbox volume``)."""
+"""Volume commands: create, ls, inspect, fill, rm (mounted as ``ray-sandbox volume``)."""
 
 from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -66,6 +67,22 @@ def inspect(name: str) -> None:
     """One volume as JSON: size, used, node, created_at, mounts."""
     with _errors():
         typer.echo(json.dumps(_store().inspect(name).model_dump(mode="json"), indent=2))
+
+
+@app.command()
+def fill(
+    name: str,
+    source: Annotated[Path, typer.Argument(help="a directory, or a tar file", exists=True)],
+    path: Annotated[str, typer.Option(help="where in the volume")] = "/",
+) -> None:
+    """Copy a directory or a tar's members into a volume, unpacked in a short-lived sandbox
+    that mounts it (never on the host: a volume's contents may be sandbox-written)."""
+    from ..runtime import SandboxRuntime, archive
+    from ..runtime.volumes import fill as fill_volume
+
+    with _errors(), SandboxRuntime(paths.home(), reap=False) as rt:
+        fill_volume(rt, name, archive.tar_of(source), path=path)
+    typer.echo(f"filled {name}")
 
 
 @app.command()

@@ -112,6 +112,16 @@ def end_blocks() -> bytes:
     return b"\0" * (2 * BLOCK)
 
 
+def tar_of(src: Path) -> Iterator[bytes]:
+    """A tar stream of ``src``: a directory packed (:func:`pack_local`), or a tar file's own
+    bytes."""
+    if src.is_dir():
+        yield from pack_local(src)
+        return
+    with open(src, "rb") as f:
+        yield from iter(lambda: f.read(TRANSFER_CHUNK), b"")
+
+
 def pack_local(src: Path) -> Iterator[bytes]:
     """Tar stream of the host directory ``src`` (modes, symlinks, empty dirs kept)."""
     src = Path(src)

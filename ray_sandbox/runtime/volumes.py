@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -342,6 +342,24 @@ class VolumeStore:
             yield
         finally:
             os.close(fd)
+
+
+FILL_IMAGE = "ray-sandbox/busybox"  # built offline on every node
+
+
+def fill(runtime: Any, name: str, tar: Iterable[bytes], *, path: str = "/") -> None:
+    """Unpack a tar stream into volume ``name`` (under ``path``) inside a short-lived
+    sandbox of ``runtime`` that mounts it read-write. The host never unpacks into a volume:
+    its contents may have been written by sandboxes (links included), while inside gVisor
+    the agent's own checks apply and no member can leave the mount."""
+    target = "/volume/" + path.strip("/")
+    sid = runtime.create(image=FILL_IMAGE, memory="64Mi", cpu=None, volumes={"/volume": name},
+                         labels={"ray-sandbox/role": "volume-fill"})
+    try:
+        runtime.mkdir(sid, target, parents=True)
+        runtime.put_archive(sid, target, tar)
+    finally:
+        runtime.delete(sid, wait=True)
 
 
 class _Table:
