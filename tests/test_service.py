@@ -590,3 +590,39 @@ def test_a_tenant_cannot_mount_a_volume_of_the_node(service: Service):
             assert c.get("/sandboxes").json()["sandboxes"] == before
     finally:
         delete_volume("operator-secrets")
+
+
+def test_tenants_have_their_own_volumes(service: Service):
+    with service.client("alice") as alice, service.client("bob") as bob:
+        made = alice.post("/volumes", json={"name": "ws", "size": "16Mi"})
+        assert made.status_code == 201, made.text
+        assert (made.json()["name"], made.json()["size"]) == ("ws", 16 << 20)
+        error(alice.post("/volumes", json={"name": "big", "size": "1Ti"}), 400)
+        error(alice.post("/volumes", json={"name": "../x", "size": "16Mi"}), 400)
+        a = create(alice, volumes={"/ws": "ws"})
+        assert wait_running(alice, a)["status"] == "running"
+        put = alice.put(f"/sandboxes/{a}/files", params={"path": "/ws/kept"}, content=b"mine")
+        assert put.status_code in (200, 204), put.text
+        # mounted: not deleted under it
+        error(alice.delete("/volumes/ws"), 409)
+        assert alice.delete(f"/sandboxes/{a}").status_code == 200
+        # bob sees none of it and cannot name it; his "ws" is his own
+        assert bob.get("/volumes").json() == {"volumes": []}
+        assert "no volume" in error(bob.post("/sandboxes", json={
+            "image": BUSYBOX, "memory": "64Mi", "volumes": {"/ws": "ws"}}), 400)
+        assert bob.post("/volumes", json={"name": "ws", "size": "16Mi"}).status_code == 201
+        b = create(bob, volumes={"/ws": "ws:ro"})
+        assert wait_running(bob, b)["status"] == "running"
+        assert bob.get(f"/sandboxes/{b}/files", params={"path": "/ws/kept"}).status_code == 404
+        assert bob.delete(f"/sandboxes/{b}").status_code == 200
+        # alice's data outlived her sandbox
+        again = create(alice, volumes={"/data": {"name": "ws", "readonly": True}})
+        assert wait_running(alice, again)["status"] == "running"
+        got = alice.get(f"/sandboxes/{again}/files", params={"path": "/data/kept"})
+        assert got.content == b"mine"
+        assert alice.delete(f"/sandboxes/{again}").status_code == 200
+        for c in (alice, bob):
+            assert [v["name"] for v in c.get("/volumes").json()["volumes"]] == ["ws"]
+            assert c.delete("/volumes/ws").status_code == 200
+            assert c.delete("/volumes/ws").status_code == 200  # idempotent
+            assert c.get("/volumes").json() == {"volumes": []}

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ..runtime.volumes import VolumeInfo
 from . import _archives, _errors, _ports
 from ._config import ServiceConfig
 from ._models import (
@@ -23,6 +24,7 @@ from ._models import (
     Created,
     CreateExec,
     CreateSandbox,
+    CreateVolume,
     Deleted,
     ExecCreated,
     ExecInfo,
@@ -300,6 +302,19 @@ def build_app(config: ServiceConfig) -> Any:
         """Snapshot a running sandbox; it keeps running."""
         entry = await sandboxes.running(tenant(request), sandbox_id)
         return {"snapshot_id": await sandboxes.snapshot(entry)}
+
+    @app.post(f"{PREFIX}/volumes", status_code=201)
+    async def create_volume(request: Request, body: CreateVolume) -> VolumeInfo:
+        return await sandboxes.volumes.create(tenant(request), body.name, body.size)
+
+    @app.get(f"{PREFIX}/volumes")
+    async def list_volumes(request: Request) -> dict[str, list[VolumeInfo]]:
+        return {"volumes": await sandboxes.volumes.list(tenant(request))}
+
+    @app.delete(f"{PREFIX}/volumes/{{name}}")
+    async def delete_volume(request: Request, name: str) -> dict[str, str]:
+        await sandboxes.volumes.delete(tenant(request), name)
+        return {"name": name, "status": "deleted"}
 
     @app.get(f"{PREFIX}/snapshots")
     async def list_snapshots(request: Request) -> dict[str, list[str]]:

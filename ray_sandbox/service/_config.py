@@ -52,6 +52,8 @@ class ServiceConfig(BaseModel):
     max_copies: int = Field(8, gt=0, description="copies one fork or restore makes")
     max_errored: int = Field(64, gt=0, description="failed creates kept per tenant for GET")
     create_threads: int = Field(16, gt=0, description="creates and listings run at once")
+    max_volumes: int = Field(8, ge=0, description="volumes per tenant")
+    max_volume_bytes: int = Field(10 << 30, gt=0, description="size of one volume")
     direct_exec_threads: int = Field(
         32, ge=0, description="execs that may run at once through the node-local channel "
         "(handle.run, one thread each, skipping an actor call); more go through Ray")

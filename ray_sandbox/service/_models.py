@@ -126,3 +126,12 @@ def check_path(path: str) -> str:
     if not path.startswith("/") or "\0" in path or len(path) > 4096:
         raise ValueError(f"path must be absolute, without NUL, at most 4096 bytes: {path!r}")
     return os.path.normpath(path)
+
+
+class CreateVolume(BaseModel):
+    """``POST /volumes``: a size-capped volume of the caller's tenant."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    size: str | int = Field(description="bytes, or '256Mi'")

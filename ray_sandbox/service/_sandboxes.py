@@ -31,6 +31,7 @@ from . import _errors, _pty, _streams
 from ._config import ServiceConfig
 from ._models import ExecInfo, SandboxInfo
 from ._quota import Charge, charge, over_quota
+from ._volumes import TenantVolumes
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ class Sandboxes:
         self._adopting = asyncio.Lock()
         self._streaming = 0
         self._snapshots: dict[str, Kept] = {}
+        self.volumes = TenantVolumes(config, self._blocking)
 
     async def _blocking(self, fn: Any, *args: Any) -> Any:
         return await anyio.to_thread.run_sync(fn, *args, limiter=self._threads)
@@ -170,10 +172,9 @@ class Sandboxes:
                                        "reserved")
         if options.get("network") == "host" and not self._config.allow_host_network:
             raise _errors.refusal(400, "network='host' is not allowed by this service")
-        if options.get("volumes"):
-            # a volume belongs to the node, not to a tenant: any name would reach any
-            # tenant's (or the operator's) data, so the service mounts none
-            raise _errors.refusal(400, "volumes are not offered by this service")
+        if options.get("volumes"):  # the tenant's own, by the names it gave them
+            options = {**options,
+                       "volumes": await self.volumes.mounts(tenant, options["volumes"])}
         # the Ray layer's defaults (a writable root capped by a disk) apply, as for create()
         config = actor.make_template(**options).config
         cost = charge(config)
