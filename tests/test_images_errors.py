@@ -194,7 +194,10 @@ def test_corrupt_archives(temp_store: ImageStore, busybox_sources: dict[str, str
 def test_full_disk(pushed_busybox: str, size: str) -> None:
     with tiny_store(size) as store:
         err = expect(store, pushed_busybox, StoreFullError)
-        assert "no space left on device" in err.stderr
+        # the tool's own words are kept: ENOSPC, or (umoci, sometimes) a crash of its hashing
+        # reader after the failed write, which the store tells from the disk it left full
+        assert "no space left on device" in err.stderr or (
+            size == "2m" and "panic: d.nx != 0" in err.stderr), err.stderr[:300]
         assert err.argv[0] == ("skopeo" if size == "600k" else "umoci")
 
 

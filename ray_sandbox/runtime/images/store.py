@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 from .. import image_builders, paths
 from ..errors import (
+    ImageError,
     ImageNotFoundError,
     ImageReferenceError,
     PlatformNotFoundError,
@@ -56,11 +57,21 @@ class _Resolved(NamedTuple):
     blobs: list[str]  # its config and layers, to reuse from the pool
 
 
+_FULL_BYTES = 1 << 20  # free space under which a failed unpack is taken for a full disk
 LOCAL_IMAGES: dict[str, Callable[..., None]] = {
     f"{LOCAL_NAMESPACE}/busybox:latest": image_builders.write_busybox_layout,
     f"{LOCAL_NAMESPACE}/python:latest": image_builders.write_python_layout,
     f"{LOCAL_NAMESPACE}/docker:latest": image_builders.write_docker_layout,  # docker.py
 }
+
+
+def _nearly_full(path: Path) -> bool:
+    """Less than _FULL_BYTES free on the filesystem of ``path``."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < _FULL_BYTES
 
 
 def find_authfile() -> Path | None:
@@ -269,8 +280,18 @@ class ImageStore:
         try:
             with self._dir.workdir(f"ref-{key}") as work:
                 layout = work / "oci"
-                self._materialize(ref, resolved, layout, work, deadline, progress)
-                digest = self._ingest(layout, work, deadline, progress)
+                try:
+                    self._materialize(ref, resolved, layout, work, deadline, progress)
+                    digest = self._ingest(layout, work, deadline, progress)
+                except ImageError as exc:
+                    # umoci can crash on a full disk without saying so ("panic: d.nx != 0"
+                    # from a write that failed under its hashing reader): look at the disk
+                    # before the failed work is removed and frees it
+                    if isinstance(exc, StoreFullError) or not _nearly_full(work):
+                        raise
+                    raise StoreFullError(f"no space left in the image store {self.root}",
+                                         argv=exc.argv, returncode=exc.returncode,
+                                         stderr=exc.stderr) from exc
                 record = _RefRecord(ref=str(ref), platform=str(self.platform), digest=digest,
                                     source_digest=resolved.source_digest if resolved else None)
                 staged = work / "ref.json"
