@@ -136,6 +136,17 @@ def test_dockerfile_task_is_built_in_gvisor_and_trialled(docker_image, image_sto
 TASKS = Path(__file__).resolve().parent.parent / "examples" / "harbor_tasks"
 
 
+def _oracle_and_nop_job(name: str, work: Path, n: int, tasks: list[Path]) -> dict:
+    """A harbor job config: the oracle and nop agents over ``tasks`` on our environment."""
+    return {
+        "job_name": name, "jobs_dir": str(work / "jobs"), "n_concurrent_trials": n,
+        "quiet": True,
+        "environment": {"import_path": "ray_sandbox.harbor:RaySandboxEnvironment"},
+        "agents": [{"name": "oracle"}, {"name": "nop"}],
+        "tasks": [{"path": str(t)} for t in tasks],
+    }
+
+
 @heavy
 def test_offline_task_set_oracle_1_nop_0_at_concurrency_4(docker_image, default_image,
                                                           image_store):
@@ -148,13 +159,7 @@ def test_offline_task_set_oracle_1_nop_0_at_concurrency_4(docker_image, default_
     tasks = sorted(p for p in TASKS.iterdir() if (p / "task.toml").is_file())
     before = builds_now(image_store)
     with scratch_dir("rsb-harbor-set-") as work:
-        config = {
-            "job_name": "set", "jobs_dir": str(work / "jobs"), "n_concurrent_trials": 4,
-            "quiet": True,
-            "environment": {"import_path": "ray_sandbox.harbor:RaySandboxEnvironment"},
-            "agents": [{"name": "oracle"}, {"name": "nop"}],
-            "tasks": [{"path": str(t)} for t in tasks],
-        }
+        config = _oracle_and_nop_job("set", work, 4, tasks)
         (work / "job.json").write_text(json.dumps(config))
         try:
             run_in_harbor_venv([str(HARBOR), "run", "-c", str(work / "job.json"), "-y"], work,
@@ -182,13 +187,7 @@ def test_compose_task_reaches_its_services_from_main(docker_image, default_image
     the trial's sandbox, Harbor's exec and file calls reach ``main``, and ``main`` reaches
     the ``web`` service by its name; oracle 1.0, nop 0.0."""
     with scratch_dir("rsb-harbor-compose-") as work:
-        config = {
-            "job_name": "compose", "jobs_dir": str(work / "jobs"), "n_concurrent_trials": 2,
-            "quiet": True,
-            "environment": {"import_path": "ray_sandbox.harbor:RaySandboxEnvironment"},
-            "agents": [{"name": "oracle"}, {"name": "nop"}],
-            "tasks": [{"path": str(TASKS / "compose-web")}],
-        }
+        config = _oracle_and_nop_job("compose", work, 2, [TASKS / "compose-web"])
         (work / "job.json").write_text(json.dumps(config))
         run_in_harbor_venv([str(HARBOR), "run", "-c", str(work / "job.json"), "-y"], work,
                            images=image_store.root)

@@ -1,10 +1,11 @@
 """Host-side client of the in-sandbox agent.
 
-(~690 lines and ~40 methods, one cohesive thing: one method per request the agent serves,
+(~710 lines and ~45 methods, one cohesive thing: one method per request the agent serves,
 with its client-side bounds, plus the checkout of pooled connections those requests share,
 and the rate budget of a streamed transfer, which spans a call rather than one connection's
 frame; framing, argument checks and AgentProcess already live in conn.py, args.py,
-process.py. Splitting the requests would split one protocol's client in two.)
+process.py, and the activity bookkeeping idle_timeout reads is two short methods over the
+same pool. Splitting the requests would split one protocol's client in two.)
 
 Each call checks a connection out of a small pool (one connection = one handler process in
 the sandbox), runs one request on it and puts it back. A long-lived :class:`AgentProcess`
