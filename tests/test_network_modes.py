@@ -16,6 +16,7 @@ import pytest
 
 from ray_sandbox.runtime import network
 from ray_sandbox.runtime.config import EgressPolicy, make_config
+from ray_sandbox.runtime.errors import ConfigError
 from ray_sandbox.runtime.network import netns as _netns
 from tests.fx_network import (
     METADATA,
@@ -188,3 +189,43 @@ def test_sandbox_cannot_touch_its_network(sandboxes: Sandboxes, upstream) -> Non
         userns = Path(f"/proc/{pid}/ns/user").readlink()
         own_userns = userns != Path("/proc/self/ns/user").readlink()
         assert not cap_eff & (1 << 12) or own_userns, (hex(cap_eff), userns)  # CAP_NET_ADMIN
+
+
+def test_a_link_opens_one_port_of_another_sandbox_and_unlink_closes_it(
+    sandboxes: Sandboxes, upstream
+) -> None:
+    config = make_config(network="sandbox", dns=TEST_DNS)
+    with sandboxes.run(config) as server, sandboxes.run(config) as client:
+        for port in (8080, 8081):
+            _listen_in_sandbox(server, port)
+        addr = server.sh("ip -4 -o addr show eth0").stdout.decode().split()[3].split("/")[0]
+
+        def hello(box: Box, host: str, port: int) -> bool:
+            done = box.sh(f"nc -w 3 {host} {port} </dev/null")
+            return "hello-from-sandbox" in done.stdout.decode()
+
+        assert not hello(client, addr, 8080)  # the veth pool is closed by default
+        got = network.link(client.sandbox_id, client.state_dir, server.sandbox_id,
+                           server.state_dir, 8080)
+        assert got == (addr, 8080)
+        assert network.links(client.state_dir) == [(server.sandbox_id, 8080)]
+        assert hello(client, addr, 8080)
+        assert not hello(client, addr, 8081)  # only the linked port
+        _listen_in_sandbox(client, 9090)
+        client_addr = client.sh("ip -4 -o addr show eth0").stdout.decode().split()[3]
+        assert not hello(server, client_addr.split("/")[0], 9090)  # and only that way
+        network.unlink(client.sandbox_id, client.state_dir, server.sandbox_id, 8080)
+        network.unlink(client.sandbox_id, client.state_dir, server.sandbox_id, 8080)
+        assert network.links(client.state_dir) == []
+        assert not hello(client, addr, 8080)
+
+
+def test_links_join_only_sandbox_mode_sandboxes(sandboxes: Sandboxes, upstream) -> None:
+    with sandboxes.run(make_config(network="sandbox", dns=TEST_DNS)) as server, \
+            sandboxes.run(make_config(network="public", dns=TEST_DNS)) as client:
+        for a, b in ((client, server), (server, client)):
+            with pytest.raises(ConfigError, match="network='sandbox'"):
+                network.link(a.sandbox_id, a.state_dir, b.sandbox_id, b.state_dir, 80)
+        with pytest.raises(ConfigError, match="1-65535"):
+            network.link(server.sandbox_id, server.state_dir, client.sandbox_id,
+                         client.state_dir, 0)

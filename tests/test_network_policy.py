@@ -75,6 +75,9 @@ def test_nat_table_masquerades_publishes_and_redirects_dns() -> None:
     assert "th dport 53 dnat ip to 10.213.0.1:40000" in text
     assert text.count("ip daddr 127.0.0.1 tcp dport 8080 dnat ip to 10.213.0.2:8080") == 2
     assert 'iifname "rsb0123456789ab" ct direction original jump egress' in text
+    forward = text.split("chain forward {")[1]
+    # links come first: the pool of other sandboxes is in the deny set
+    assert forward.index("@peers accept") < forward.index("jump egress")
     wide = policy.nat_table("rsb-0123456789ab", _sets(), p.__class__(**{
         **p.__dict__, "expose_addr": "0.0.0.0"}))
     assert "fib daddr type local tcp dport 8080" in wide
@@ -89,6 +92,13 @@ def test_update_script_is_one_transaction_over_existing_objects() -> None:
     assert "add rule inet rsb-0123456789ab egress goto refuse" in lines
     assert "add element inet rsb-0123456789ab dyn4 { 198.18.1.1 timeout 30s }" in lines
     assert "add element inet rsb-0123456789ab dyn6 { 2001:db8::1 timeout 5s }" in lines
+
+
+@pytest.mark.parametrize(("link", "port"), [("rsb0123456789ab", 0), ("rsb0123456789ab", 65536),
+                                            ('rsb" } ; flush ruleset', 80)])
+def test_link_script_refuses_what_nft_would_misread(link: str, port: int) -> None:
+    with pytest.raises(ValueError):
+        policy.link_script("rsb-0123456789ab", link, port, add=True)
 
 
 @pytest.fixture
@@ -110,6 +120,8 @@ def test_generated_scripts_are_accepted_by_nft(scratch_netns: str) -> None:
     nft.apply(scratch_netns, policy.update_script(table, _sets(default="deny"),
                                                   {"198.18.1.1": 30}))
     nft.apply(scratch_netns, "\n".join(policy.dyn_elements(table, {"198.18.1.9": 60})) + "\n")
+    nft.apply(scratch_netns, policy.link_script(table, "rsbfedcba987654", 8080, add=True))
+    nft.apply(scratch_netns, policy.link_script(table, "rsbfedcba987654", 8080, add=False))
     nft.delete_table(scratch_netns, "inet", table)
     nft.apply(scratch_netns, policy.public_table(table, sets))
     assert ("inet", table) in nft.tables(scratch_netns)

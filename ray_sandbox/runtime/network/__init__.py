@@ -10,10 +10,21 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["NetworkAttachment", "attach", "detach", "gc", "leftovers", "set_egress"]
+__all__ = ["NetworkAttachment", "attach", "detach", "gc", "leftovers", "link", "links",
+           "set_egress", "unlink"]
 
 if TYPE_CHECKING:
-    from ._lifecycle import NetworkAttachment, attach, detach, gc, leftovers, set_egress
+    from ._lifecycle import (
+        NetworkAttachment,
+        attach,
+        detach,
+        gc,
+        leftovers,
+        link,
+        links,
+        set_egress,
+        unlink,
+    )
 
 
 def __getattr__(name: str) -> Any:

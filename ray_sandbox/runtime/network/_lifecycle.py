@@ -6,6 +6,7 @@ import ipaddress
 import json
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +25,7 @@ from .state import NetworkState
 MODES = ("none", "host", "public", "sandbox")
 HOSTS = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
 PUBLIC_DNS_ADDR = "127.0.0.53"  # on the sandbox netns' loopback, which hostinet shares
+_links_lock = threading.Lock()  # a link's nft element and its line in the state file go together
 
 
 class NetworkAttachment(BaseModel):
@@ -292,6 +294,63 @@ def set_egress(sandbox_id: str, state_dir: Path, egress: EgressPolicy | dict) ->
         if ref.what == "dns":
             procs.signal_if_alive(ref, signal.SIGHUP)
     _step(st, state_dir, egress=egress)
+
+
+MAX_LINKS = 256  # per sandbox: the state file and the nft set stay small
+
+
+def link(sandbox_id: str, state_dir: Path, peer_id: str, peer_dir: Path,
+         port: int) -> tuple[str, int]:
+    """Let sandbox ``sandbox_id`` open TCP connections to ``port`` of ``peer_id``, both
+    ``network="sandbox"`` on this node; returns the address to connect to. Nothing else of
+    the peer opens, and its replies are the only traffic back (docs/network.md, "Links")."""
+    if not 0 < port < 65536:
+        raise ConfigError(f"port must be 1-65535, not {port}", sandbox_id=sandbox_id)
+    if sandbox_id == peer_id:
+        raise ConfigError("a sandbox reaches its own ports on 127.0.0.1; no link is needed",
+                          sandbox_id=sandbox_id)
+    peer = _linkable(peer_id, peer_dir)
+    with _links_lock:  # read under the lock: another link may be saving this state file
+        st = _linkable(sandbox_id, state_dir)
+        if (peer_id, port) not in st.peers:
+            if len(st.peers) >= MAX_LINKS:
+                raise ConfigError(f"at most {MAX_LINKS} links per sandbox", sandbox_id=sandbox_id)
+            script = policy.link_script(st.tag, host_link(peer.tag), port, add=True)
+            nft.apply(st.table_netns, script)
+            _step(st, state_dir, peers=[*st.peers, (peer_id, port)])
+    return address_of(peer), port
+
+
+def unlink(sandbox_id: str, state_dir: Path, peer_id: str, port: int) -> None:
+    """Close a link made by :func:`link` (idempotent); its open connections are cut too. The
+    peer may be gone already."""
+    with _links_lock:
+        st = _state.load(state_dir)
+        if st is None or (peer_id, port) not in st.peers:
+            return
+        script = policy.link_script(st.tag, host_link(tag(peer_id)), port, add=False)
+        nft.apply(st.table_netns, script)
+        _step(st, state_dir, peers=[p for p in st.peers if p != (peer_id, port)])
+
+
+def links(state_dir: Path) -> list[tuple[str, int]]:
+    """The (peer id, port) links of a sandbox, in the order they were made."""
+    st = _state.load(state_dir)
+    return [] if st is None else list(st.peers)
+
+
+def address_of(st: NetworkState) -> str:
+    """A ``sandbox``-mode sandbox's own address on its veth."""
+    return str(ipaddress.IPv4Network(st.subnet or "")[2])
+
+
+def _linkable(sandbox_id: str, state_dir: Path) -> NetworkState:
+    st = _state.load(state_dir)
+    if st is None or st.mode != "sandbox" or not st.link or not st.table:
+        mode = st.mode if st else "no network"
+        raise ConfigError(f"links join sandboxes with network='sandbox'; {sandbox_id} has "
+                          f"{mode!r}", sandbox_id=sandbox_id)
+    return st
 
 
 def _cached(state_dir: Path, egress: EgressPolicy) -> dict[str, int]:

@@ -12,6 +12,11 @@ the sandbox, e.g. an exposed port, pass), in this order:
     private tier: RFC 1918, CGNAT, ULA       -> refuse
     anything else                            -> policy.default
 
+In ``sandbox`` mode a link (:func:`link_script`) is checked before all of that: the set
+``peers`` holds (host end of another sandbox's veth, TCP port) pairs this sandbox may open
+connections to. It names the peer's veth, not its address, so a link can never open a later
+sandbox that happens to get the same address: veth names come from sandbox ids.
+
 Domain answers can open a private address (an internal service) but never the never tier, so a
 name that resolves to 169.254.169.254 (DNS rebinding) stays blocked. Since every original-
 direction packet is checked, a policy change also cuts connections that are already open.
@@ -140,10 +145,11 @@ def _chain(name: str, hook: str | None, rules: Sequence[str], kind: str = "filte
 _REFUSE = ["meta l4proto tcp reject with tcp reset", "reject with icmpx type admin-prohibited"]
 
 
-def _table(table: str, sets: Sets, chains: list[str]) -> str:
+def _table(table: str, sets: Sets, chains: list[str], extra_sets: Sequence[str] = ()) -> str:
     body = [
         f"table inet {table} {{",
         *_set_decls(sets),
+        *extra_sets,
         *_chain("refuse", None, _REFUSE),
         *_chain("egress", None, _egress_rules(sets.default)),
         *chains,
@@ -167,7 +173,8 @@ def nat_table(table: str, sets: Sets, p: NatParams) -> str:
     local = "fib daddr type local" if p.expose_addr == "0.0.0.0" else f"ip daddr {p.expose_addr}"
     dnat = [f"{local} tcp dport {port} dnat ip to {p.address}:{port}" for port in p.ports]
     chains = [
-        *_chain("forward", "forward", [f"{iif} ct direction original jump egress"]),
+        *_chain("forward", "forward", [f"{iif} oifname . tcp dport @peers accept",
+                                       f"{iif} ct direction original jump egress"]),
         *_chain("input", "input", [f"{iif} ip daddr {p.gateway} {dns} accept",
                                    f"{iif} ct direction original jump egress"]),
         *_chain("prerouting", "prerouting", [
@@ -182,7 +189,20 @@ def nat_table(table: str, sets: Sets, p: NatParams) -> str:
             f'oifname "{p.link}" ip saddr 127.0.0.0/8 masquerade',
         ], "srcnat"),
     ]
-    return _table(table, sets, chains)
+    return _table(table, sets, chains, [PEERS_DECL])
+
+
+PEERS_DECL = "\tset peers { type ifname . inet_service; }"
+
+
+def link_script(table: str, peer_link: str, port: int, *, add: bool) -> str:
+    """Add (or delete) the link to TCP ``port`` behind ``peer_link`` in a ``sandbox``-mode
+    table. The element is checked on every forwarded packet, so a deletion also cuts open
+    connections."""
+    if not 0 < port < 65536 or not peer_link.isalnum():
+        raise ValueError(f"bad link {peer_link!r}:{port}")
+    verb = "add" if add else "delete"
+    return f'{verb} element inet {table} peers {{ "{peer_link}" . {port} }}\n'
 
 
 def update_script(table: str, sets: Sets, dyn: Mapping[str, int]) -> str:

@@ -32,6 +32,7 @@ class NetworkState(BaseModel):
     table: bool = False
     api_socket: str | None = None
     procs: list[ProcRef] = Field(default_factory=list)
+    peers: list[tuple[str, int]] = Field(default_factory=list)  # (sandbox id, port) it links to
 
 
 def save(state_dir: Path, state: NetworkState) -> None:
