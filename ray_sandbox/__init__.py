@@ -19,7 +19,7 @@ from .runtime.errors import *  # noqa: F403 - the error tree is public API
 from .runtime.errors import __all__ as _errors
 
 _RUNTIME = ("DOCKER_DEFAULT_CAPABILITIES", "EgressPolicy", "ExecResult", "OutputChunk",
-            "SandboxConfig", "SandboxRuntime", "SandboxState", "SandboxStatus")
+            "SandboxConfig", "SandboxLink", "SandboxRuntime", "SandboxState", "SandboxStatus")
 _LAZY = {name: "ray_sandbox.runtime" for name in _RUNTIME} | {
     name: "ray_sandbox.actor"
     for name in (

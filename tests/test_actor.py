@@ -55,6 +55,30 @@ def test_handle_is_serializable_and_usable_from_tasks(ray_cluster):
         ray.get(sb.terminate.remote())
 
 
+def test_one_sandbox_reaches_a_linked_port_of_another(ray_cluster):
+    ray = ray_cluster
+    opts = {"image": "ray-sandbox/busybox", "cpu": 0.1, "memory": "64Mi", "network": "sandbox"}
+    server = sandbox.create(**opts)
+    client = sandbox.create(**opts, node_id=server.node_id)
+    try:
+        ray.get(server.exec.remote("nc -ll -p 8080 -e echo hello </dev/null >/dev/null 2>&1 &"))
+        link = ray.get(client.link.remote(server, 8080))
+        assert link.to == server.sandbox_id and link.port == 8080
+        assert ray.get(client.links.remote()) == [link]
+        got = ray.get(client.exec.remote(f"nc -w 3 {link.host} 8080 </dev/null"))
+        assert got.stdout == "hello\n", got
+        ray.get(client.unlink.remote(server.sandbox_id, 8080))
+        got = ray.get(client.exec.remote(f"nc -w 3 {link.host} 8080 </dev/null"))
+        assert got.stdout == "" and got.exit_code != 0
+        with pytest.raises(SandboxNotFoundError, match="on the node of"):
+            ray.get(client.link.remote("0" * 32, 8080))
+        ray.get(client.link.remote(server, 8080))
+        ray.get(server.terminate.remote())
+        assert ray.get(client.links.remote()) == []  # a link to a sandbox that is gone
+    finally:
+        ray.get([server.terminate.remote(), client.terminate.remote()])
+
+
 def test_exec_stream_is_a_ray_generator(ray_cluster):
     ray = ray_cluster
     sb = sandbox.create(image="ray-sandbox/busybox", cpu=0.1, memory="64Mi")

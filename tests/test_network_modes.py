@@ -229,3 +229,21 @@ def test_links_join_only_sandbox_mode_sandboxes(sandboxes: Sandboxes, upstream) 
         with pytest.raises(ConfigError, match="1-65535"):
             network.link(server.sandbox_id, server.state_dir, client.sandbox_id,
                          client.state_dir, 0)
+
+
+def test_links_to_deleted_sandboxes_make_room(sandboxes: Sandboxes, upstream, monkeypatch) -> None:
+    from ray_sandbox.runtime.network import _lifecycle
+
+    monkeypatch.setattr(_lifecycle, "MAX_LINKS", 1)
+    config = make_config(network="sandbox", dns=TEST_DNS)
+    with sandboxes.run(config) as client:
+        with sandboxes.run(config) as first, sandboxes.run(config) as second:
+            network.link(client.sandbox_id, client.state_dir, first.sandbox_id,
+                         first.state_dir, 80)
+            with pytest.raises(ConfigError, match="at most 1 links"):
+                network.link(client.sandbox_id, client.state_dir, second.sandbox_id,
+                             second.state_dir, 80)
+        with sandboxes.run(config) as third:  # first is gone now
+            network.link(client.sandbox_id, client.state_dir, third.sandbox_id,
+                         third.state_dir, 80)
+            assert network.links(client.state_dir) == [(third.sandbox_id, 80)]

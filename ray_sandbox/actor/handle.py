@@ -16,9 +16,14 @@ from typing import Any
 
 import ray
 
+from ..runtime.errors import ConfigError
 from ..runtime.records import ray_id
 from ..runtime.results import ExecResult
 from . import channel, copies, transfer
+
+
+def _id_of(sandbox: SandboxHandle | str) -> str:
+    return sandbox.sandbox_id if isinstance(sandbox, SandboxHandle) else sandbox
 
 
 class _Method:
@@ -133,6 +138,33 @@ class SandboxHandle:
         """``set_egress.remote(EgressPolicy | dict)``: change a networked sandbox's egress
         policy while it runs."""
         return _Method(lambda policy: self._host.set_egress.remote(self.sandbox_id, policy))
+
+    @property
+    def link(self) -> _Method:
+        """``link.remote(other, port)`` -> ObjectRef[SandboxLink]: let this sandbox open TCP
+        connections to ``port`` of ``other`` (a handle or an id); both ``network="sandbox"``
+        on one node (create the other with ``node_id=`` this one's). Nothing else opens."""
+        return _Method(lambda other, port: self._host.link.remote(
+            self.sandbox_id, self._peer(other), port))
+
+    @property
+    def unlink(self) -> _Method:
+        """``unlink.remote(other, port)``: close a link; its open connections are cut."""
+        return _Method(lambda other, port: self._host.unlink.remote(
+            self.sandbox_id, _id_of(other), port))
+
+    @property
+    def links(self) -> _Method:
+        """``links.remote()`` -> ObjectRef[list[SandboxLink]] to peers that still exist."""
+        return _Method(lambda: self._host.links.remote(self.sandbox_id))
+
+    def _peer(self, other: SandboxHandle | str) -> str:
+        if isinstance(other, SandboxHandle) and None not in (other.node_id, self.node_id) \
+                and other.node_id != self.node_id:
+            raise ConfigError(f"links join sandboxes on one node: {other.sandbox_id} is on "
+                              f"node {other.node_id}, this one on {self.node_id}; create it "
+                              "with node_id=", sandbox_id=self.sandbox_id)
+        return _id_of(other)
 
     @property
     def terminate(self) -> _Method:

@@ -40,7 +40,7 @@ from ..runtime.errors import (
     SandboxNotFoundError,
     SandboxStateError,
 )
-from ..runtime.results import ExecResult, SandboxState, SandboxStatus
+from ..runtime.results import ExecResult, SandboxLink, SandboxState, SandboxStatus
 from ..runtime.snapshot import Snapshot, SnapshotDir
 from . import metrics
 from .blocks import Block, Blocks, Shape, sweep_dead_nodes
@@ -479,6 +479,21 @@ class SandboxHost:
 
     def set_egress(self, sandbox_id: str, policy: Any) -> None:
         self._rt.set_egress(sandbox_id, policy)
+
+    def link(self, sandbox_id: str, to: str, port: int) -> SandboxLink:
+        try:
+            return self._rt.link(sandbox_id, to, port)
+        except SandboxNotFoundError as exc:
+            if exc.sandbox_id != to:
+                raise
+            raise SandboxNotFoundError(f"{exc.message} on the node of {sandbox_id} (links join "
+                                       "sandboxes on one node)", sandbox_id=to) from None
+
+    def unlink(self, sandbox_id: str, to: str, port: int) -> None:
+        self._rt.unlink(sandbox_id, to, port)
+
+    def links(self, sandbox_id: str) -> list[SandboxLink]:
+        return self._rt.links(sandbox_id)
 
     def status(self, sandbox_id: str) -> SandboxStatus:
         with self._lock:

@@ -17,7 +17,8 @@ _LAZY = {
     "ImageInUseError": "images", "ImageStore": "images", "PullPolicy": "images",
     "parse_reference": "images",
     "ExecResult": "results", "FileInfo": "results", "FileType": "results",
-    "OutputChunk": "results", "SandboxState": "results", "SandboxStatus": "results",
+    "OutputChunk": "results", "SandboxLink": "results", "SandboxState": "results",
+    "SandboxStatus": "results",
     "LimitNotEnforcedWarning": "sandbox", "SandboxRuntime": "sandbox",
 }  # fmt: skip
 
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
         FileInfo,
         FileType,
         OutputChunk,
+        SandboxLink,
         SandboxState,
         SandboxStatus,
     )
@@ -66,6 +68,7 @@ __all__ = [
     "OutputChunk",
     "PullPolicy",
     "SandboxConfig",
+    "SandboxLink",
     "SandboxRuntime",
     "SandboxState",
     "SandboxStatus",

@@ -123,3 +123,14 @@ class SandboxStatus(BaseModel):
 
     def __hash__(self) -> int:
         return hash((self.sandbox_id, self.state, self.reason))
+
+
+class SandboxLink(BaseModel):
+    """A link from one ``network="sandbox"`` sandbox to a TCP port of another: connect to
+    ``host:port`` from the linking sandbox (docs/network.md, "Links")."""
+
+    model_config = ConfigDict(frozen=True)
+
+    to: str  # the peer's sandbox id
+    host: str
+    port: int

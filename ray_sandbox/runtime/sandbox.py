@@ -60,7 +60,14 @@ from .exec_request import exec_args, stdin_bytes
 from .images import ImageStore
 from .launch import Launcher, all_or_nothing, as_creation_error
 from .records import Records, SandboxRecord, check_id, owner_fields
-from .results import ExecResult, FileInfo, OutputChunk, SandboxState, SandboxStatus
+from .results import (
+    ExecResult,
+    FileInfo,
+    OutputChunk,
+    SandboxLink,
+    SandboxState,
+    SandboxStatus,
+)
 from .runsc import Runsc
 from .snapshot import Snapshot, SnapshotDir, SnapshotStore, copy_tree
 from .volumes import VolumeStore
@@ -593,6 +600,30 @@ class SandboxRuntime:
         (open connections to newly denied addresses are cut)."""
         self.records.get(sandbox_id)
         network.set_egress(sandbox_id, self.records.sdir(sandbox_id).path, policy)
+
+    def link(self, sandbox_id: str, to: str, port: int) -> SandboxLink:
+        """Let ``sandbox_id`` open TCP connections to ``port`` of sandbox ``to`` (both
+        ``network="sandbox"``, both of this runtime); nothing else of ``to`` opens."""
+        self.records.get(sandbox_id)
+        self.records.get(to)
+        host, port = network.link(sandbox_id, self.records.sdir(sandbox_id).path, to,
+                                  self.records.sdir(to).path, port)
+        return SandboxLink(to=to, host=host, port=port)
+
+    def unlink(self, sandbox_id: str, to: str, port: int) -> None:
+        """Close a :meth:`link` (idempotent); connections it carries are cut."""
+        self.records.get(sandbox_id)
+        check_id(to)  # the peer may be gone, but its id names its veth
+        network.unlink(sandbox_id, self.records.sdir(sandbox_id).path, to, port)
+
+    def links(self, sandbox_id: str) -> list[SandboxLink]:
+        """The sandbox's links to peers that still exist."""
+        self.records.get(sandbox_id)
+        out = []
+        for to, port in network.links(self.records.sdir(sandbox_id).path):
+            if self.records.load(to) and (host := network.address(self.records.sdir(to).path)):
+                out.append(SandboxLink(to=to, host=host, port=port))
+        return out
 
     async def exec_async(self, sandbox_id: str, command: str | list[str], **kw: Any) -> ExecResult:
         return await asyncio.to_thread(self.exec, sandbox_id, command, **kw)

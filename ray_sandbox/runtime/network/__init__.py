@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["NetworkAttachment", "attach", "detach", "gc", "leftovers", "link", "links",
+__all__ = ["NetworkAttachment", "address", "attach", "detach", "gc", "leftovers", "link", "links",
            "set_egress", "unlink"]
 
 if TYPE_CHECKING:
     from ._lifecycle import (
         NetworkAttachment,
+        address,
         attach,
         detach,
         gc,

@@ -314,11 +314,13 @@ def link(sandbox_id: str, state_dir: Path, peer_id: str, peer_dir: Path,
         st = _linkable(sandbox_id, state_dir)
         if (peer_id, port) not in st.peers:
             if len(st.peers) >= MAX_LINKS:
+                st = _prune_links(st, state_dir)
+            if len(st.peers) >= MAX_LINKS:
                 raise ConfigError(f"at most {MAX_LINKS} links per sandbox", sandbox_id=sandbox_id)
             script = policy.link_script(st.tag, host_link(peer.tag), port, add=True)
             nft.apply(st.table_netns, script)
             _step(st, state_dir, peers=[*st.peers, (peer_id, port)])
-    return address_of(peer), port
+    return _address(peer), port
 
 
 def unlink(sandbox_id: str, state_dir: Path, peer_id: str, port: int) -> None:
@@ -333,14 +335,31 @@ def unlink(sandbox_id: str, state_dir: Path, peer_id: str, port: int) -> None:
         _step(st, state_dir, peers=[p for p in st.peers if p != (peer_id, port)])
 
 
+def _prune_links(st: NetworkState, state_dir: Path) -> NetworkState:
+    """Drop the links to peers whose veth is gone (deleted sandboxes), so a long-lived
+    sandbox linking short-lived ones does not run into :data:`MAX_LINKS`."""
+    live = set(ip.links(st.upstream))
+    dead = [(p, port) for p, port in st.peers if host_link(tag(p)) not in live]
+    if dead:
+        nft.apply(st.table_netns, "".join(
+            policy.link_script(st.tag, host_link(tag(p)), port, add=False) for p, port in dead))
+        _step(st, state_dir, peers=[p for p in st.peers if p not in dead])
+    return st
+
+
 def links(state_dir: Path) -> list[tuple[str, int]]:
     """The (peer id, port) links of a sandbox, in the order they were made."""
     st = _state.load(state_dir)
     return [] if st is None else list(st.peers)
 
 
-def address_of(st: NetworkState) -> str:
-    """A ``sandbox``-mode sandbox's own address on its veth."""
+def address(state_dir: Path) -> str | None:
+    """A ``sandbox``-mode sandbox's own address on its veth; None in other modes."""
+    st = _state.load(state_dir)
+    return _address(st) if st is not None and st.mode == "sandbox" and st.subnet else None
+
+
+def _address(st: NetworkState) -> str:
     return str(ipaddress.IPv4Network(st.subnet or "")[2])
 
 
