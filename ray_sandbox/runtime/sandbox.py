@@ -20,6 +20,7 @@ bookkeeping, and a reaper can clean up after a creator that died.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import shutil
@@ -36,6 +37,7 @@ from . import (
     archive,
     checkpoint,
     files,
+    fs_image,
     hostfs,
     network,
     paths,
@@ -50,6 +52,7 @@ from .connections import Connections
 from .errors import (
     ConfigError,
     ImageError,
+    ImageNotFoundError,
     SandboxCreationError,
     SandboxDiedError,
     SandboxError,
@@ -57,7 +60,7 @@ from .errors import (
     SandboxStateError,
 )
 from .exec_request import exec_args, stdin_bytes
-from .images import ImageStore
+from .images import Image, ImageStore
 from .launch import Launcher, all_or_nothing, as_creation_error
 from .records import Records, SandboxRecord, check_id, owner_fields
 from .results import (
@@ -434,6 +437,33 @@ class SandboxRuntime:
         return self.snapshots.import_(chunks, detach=detach)
 
     # --- status ----------------------------------------------------------------------------
+
+    def snapshot_filesystem(self, sandbox_id: str, *, scope: str = "local",
+                            max_bytes: int = fs_image.MAX_BYTES) -> Image:
+        """The sandbox's files (its root; mounts, devices and xattrs left out) as an image
+        in this node's store: create sandboxes with ``image=<it>.ref``. Processes and memory
+        are not kept (that is :meth:`snapshot`). ``scope`` names the node (Ray's node id)."""
+        rec = self.records.get(sandbox_id)
+        dest = fs_image.layout(scope, uuid.uuid4().hex, self.home)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        ref = fs_image.capture(self._client(sandbox_id), sandbox_id,
+                               self.images.inspect(rec.image_digest).config, dest,
+                               max_bytes=max_bytes)
+        try:
+            return self.images.get(ref)
+        except BaseException:
+            fs_image.remove(scope, dest.name, self.home)
+            raise
+
+    def delete_filesystem_image(self, ref: str) -> None:
+        """Remove an image made by :meth:`snapshot_filesystem` from the store and the disk
+        (idempotent; ImageInUseError while a sandbox of this node uses it)."""
+        parsed = fs_image.parse(ref, self.home)
+        if parsed is None:
+            raise ConfigError(f"{ref!r} is not a filesystem image of this node")
+        with contextlib.suppress(ImageNotFoundError):
+            self.images.remove(ref)
+        fs_image.remove(*parsed, self.home)
 
     def oom_killed(self, sandbox_id: str) -> bool:
         """Whether the kernel OOM-killed a process of this sandbox (its memory cgroup's
