@@ -24,7 +24,8 @@ _LAZY = {name: "ray_sandbox.runtime" for name in _RUNTIME} | {
     name: "ray_sandbox.actor"
     for name in (
         "create", "create_from_template", "create_many", "get", "list", "shutdown",
-        "fork", "restore", "resume", "delete_snapshot", "branching_rollout",
+        "fork", "restore", "resume", "delete_snapshot", "delete_filesystem_image",
+        "branching_rollout",
         "SandboxHandle", "SandboxPool", "SandboxTemplate", "Snapshot", "RolloutTree",
         "make_template", "Sandbox", "create_volume", "list_volumes", "inspect_volume",
         "delete_volume", "copy_volume", "move_volume", "fill_volume",

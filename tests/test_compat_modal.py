@@ -217,6 +217,29 @@ def test_volumes_keep_files_between_sandboxes(app):
         modal.Volume.from_name(tmp.name)
 
 
+def test_snapshot_filesystem_gives_an_image_later_sandboxes_start_from(app):
+    import ray_sandbox
+
+    sb = modal.Sandbox.create(app=app, image=BUSYBOX)
+    sb.exec("sh", "-c", "mkdir -p /repo && echo setup-done > /repo/state").wait()
+    image = sb.snapshot_filesystem()
+    sb.terminate()
+    try:
+        sb2 = modal.Sandbox.create(app=app, image=image)
+        assert sb2.exec("cat", "/repo/state").stdout.read() == "setup-done\n"
+        sb2.terminate()
+    finally:  # Modal keeps such images; here they are deleted by name once unused
+        assert wait_until(lambda: _deleted(ray_sandbox, image.ref), 30)
+
+
+def _deleted(ray_sandbox, ref: str) -> bool:
+    try:
+        ray_sandbox.delete_filesystem_image(ref)
+        return True
+    except ray_sandbox.ImageInUseError:
+        return False
+
+
 def test_idle_timeout_ends_an_unused_sandbox(app):
     sb = modal.Sandbox.create(app=app, image=BUSYBOX, idle_timeout=1)
     assert sb.exec("sleep", "1.5").wait() == 0  # a running command is use
@@ -227,7 +250,5 @@ def test_idle_timeout_ends_an_unused_sandbox(app):
 def test_unsupported_features_raise_naming_them(sb):
     with pytest.raises(NotImplementedError, match="encrypted_ports"):
         modal.Sandbox.create(image=BUSYBOX, encrypted_ports=[443])
-    with pytest.raises(NotImplementedError, match="snapshot_filesystem"):
-        sb.snapshot_filesystem()
     with pytest.raises(NotImplementedError, match="pty"):
         sb.exec("true", pty=True)

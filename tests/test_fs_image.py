@@ -36,7 +36,7 @@ def test_a_sandboxs_files_become_an_image_new_sandboxes_start_from(fs_rt):
         done = rt.exec(src, SETUP)
         assert done.exit_code == 0, done.stderr
         image = rt.snapshot_filesystem(src)
-        assert fs_image.parse(image.ref, rt.home) is not None
+        assert fs_image.parse(image.ref) is not None
         made.append(kid := rt.create(image=image.ref, memory="64Mi", readonly=False))
         check = rt.exec(kid, "cat /opt/made/deep/f /opt/link; stat -c '%u:%g %a' /opt/owned "
                              "/opt/made; ls /bin/ls || echo no-ls; cat /tmp/scratch || "
@@ -78,14 +78,16 @@ def test_only_filesystem_images_can_be_deleted_that_way(fs_rt):
         fs_rt.delete_filesystem_image("ray-sandbox/busybox")
 
 
-def test_refs_and_mount_points_parse():
-    home = fs_image.root().parent
-    ref = fs_image.reference(fs_image.layout("abc", "0" * 32, home))
-    assert fs_image.parse(ref, home) == ("abc", "0" * 32)
+def test_refs_and_mount_points_parse(tmp_path):
+    ref = fs_image.reference(fs_image.layout("abc", "0" * 32, tmp_path / "a"))
+    assert fs_image.parse(ref) == ("abc", "0" * 32)
+    # another node's home: the same image in this one's
+    assert fs_image.local_ref(ref, tmp_path / "b") == ref.replace("/a/", "/b/")
+    assert fs_image.local_ref("ray-sandbox/busybox", tmp_path) == "ray-sandbox/busybox"
     for bad in (ref.replace("0" * 32, "../x"), "oci:/elsewhere/x:image", ref + "x",
-                ref.replace("/abc/", "/a/b/")):
-        assert fs_image.parse(bad, home) is None
+                ref.replace("/abc/", "/a/b/"), "oci:fs-images/abc/" + "0" * 32 + ":image"):
+        assert fs_image.parse(bad) is None
     with pytest.raises(ImageError):
-        fs_image.layout("../..", "0" * 32, home)
+        fs_image.layout("../..", "0" * 32, tmp_path)
     mounts = "none / 9p rw 0 0\nproc /proc proc rw 0 0\nnone /data\\040dir 9p rw 0 0\n"
     assert fs_image.mount_points(mounts) == {"/proc", "/data dir"}

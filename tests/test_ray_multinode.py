@@ -13,7 +13,7 @@ import pytest
 
 from ray_sandbox.actor import api
 from ray_sandbox.actor.rollout import branching_rollout
-from ray_sandbox.runtime import SandboxState
+from ray_sandbox.runtime import ImageInUseError, SandboxState
 from tests.fx_ray import homes_cluster
 
 # Written to a temp file and renamed: a read must never see the truncated file (seen in CI).
@@ -156,6 +156,37 @@ def test_restore_on_another_node_ships_the_snapshot(cluster):
             assert not (home / "snapshots" / snap.snapshot_id).exists()
     finally:
         ray.get(sb.terminate.remote())
+
+
+def test_a_filesystem_image_starts_sandboxes_on_another_node(cluster):
+    ray, homes, nodes = cluster
+    opts = {"image": "ray-sandbox/busybox", "cpu": 0.1, "memory": "64Mi", "readonly": False}
+    sb = api.create(**opts, node_id=nodes[0])
+    made = [sb]
+    ref = None
+    try:
+        assert ray.get(sb.exec.remote("mkdir /work && echo shipped > /work/f")).exit_code == 0
+        ref = ray.get(sb.snapshot_filesystem.remote())
+        assert str(homes[0]) in ref
+        for node in (nodes[1], nodes[1], nodes[0]):  # fetched to node 1 once, used twice
+            made.append(kid := api.create(**{**opts, "image": ref}, node_id=node))
+            assert ray.get(kid.exec.remote("cat /work/f")).stdout == "shipped\n"
+        # node 1 keeps its copy in its own home
+        assert list((homes[1] / "fs-images" / nodes[0]).iterdir())
+    finally:
+        ray.get([s.terminate.remote() for s in made])
+        if ref is not None:
+            wait_until = time.monotonic() + 30
+            while True:  # a delete is fast, its teardown (unpinning the image) follows
+                try:
+                    api.delete_filesystem_image(ref)
+                    break
+                except ImageInUseError:
+                    if time.monotonic() > wait_until:
+                        raise
+                    time.sleep(0.2)
+    for home in homes:
+        assert not any((home / "fs-images").rglob("blobs"))
 
 
 def test_suspend_frees_the_reservation_and_resume_takes_it_again(cluster):

@@ -15,7 +15,7 @@ from ..runtime.errors import BatchCreateError, ConfigError, SandboxError, Sandbo
 from ..runtime.snapshot import Snapshot
 from . import copies
 from .admission import admit
-from .copies import delete_snapshot
+from .copies import delete_filesystem_image, delete_snapshot
 from .handle import SandboxHandle
 from .host import NAME_LABEL, NAMESPACE
 from .hosts import all_hosts, ask_hosts, forget_hosts
@@ -187,6 +187,7 @@ def shutdown() -> int:
     return sum(n for _, n in answered)
 
 
-__all__ = ["create", "create_from_template", "create_many", "delete_snapshot", "fork", "get",
+__all__ = ["create", "create_from_template", "create_many", "delete_filesystem_image",
+           "delete_snapshot", "fork", "get",
            "list", "restore",
            "resume", "shutdown", "NAMESPACE"]

@@ -107,3 +107,9 @@ def _find_suspended(key: str) -> Snapshot:
 def delete_snapshot(snapshot: Snapshot) -> None:
     """Delete a snapshot from its node and every copy fetched to other nodes. Idempotent."""
     ask_hosts("delete_snapshot", snapshot.snapshot_id)
+
+
+def delete_filesystem_image(ref: str) -> None:
+    """Delete an image made by ``snapshot_filesystem`` from its node and every node that
+    fetched it. Idempotent; ImageInUseError while a sandbox uses it."""
+    ask_hosts("delete_filesystem_image", ref)

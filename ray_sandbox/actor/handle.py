@@ -192,6 +192,14 @@ class SandboxHandle:
         return _Method(lambda: self._host.snapshot.remote(self.sandbox_id))
 
     @property
+    def snapshot_filesystem(self) -> _Method:
+        """``snapshot_filesystem.remote(max_bytes=None)`` -> ObjectRef[str]: the sandbox's
+        files as an image reference that ``create(image=...)`` takes on any node (fetched
+        there once); processes and memory are not kept (docs/snapshots.md)."""
+        return _Method(lambda max_bytes=None: self._host.snapshot_filesystem.remote(
+            self.sandbox_id, max_bytes))
+
+    @property
     def suspend(self) -> _Method:
         """Checkpoint to disk, delete the container and release the Ray reservation; status
         becomes SUSPENDED until ``ray_sandbox.resume(handle or name)``."""

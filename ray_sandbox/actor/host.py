@@ -29,12 +29,13 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from ..runtime import SandboxRuntime
+from ..runtime import SandboxRuntime, archive, fs_image
 from ..runtime.agent.client import AgentProcess
 from ..runtime.config import SandboxConfig
 from ..runtime.errors import (
     CapacityError,
     HostRetiringError,
+    ImageNotFoundError,
     SandboxCreationError,
     SandboxError,
     SandboxNotFoundError,
@@ -47,7 +48,7 @@ from .blocks import Block, Blocks, Shape, sweep_dead_nodes
 from .channel import ChannelServer
 from .placement import PG_LABEL, bundle_label, pg_gone, release_reaped, remove_pg
 from .stock import Stock
-from .transfer import SnapshotImports, fetch, rechunk
+from .transfer import ImageImports, SnapshotImports, fetch, rechunk
 
 NAMESPACE = "ray_sandbox"
 NAME_LABEL = "ray-sandbox/name"
@@ -99,6 +100,7 @@ class SandboxHost:
         self._jobs: dict[str, str] = {}  # sandbox id -> owning job id (absent: detached)
         self._procs: dict[str, AgentProcess] = {}
         self._imports = SnapshotImports(self._rt, self.node_id)
+        self._image_imports = ImageImports(self._rt.home, self.node_id)
         self._inflight = 0
         self._last_create = 0.0  # when the last create ended (monotonic)
         self._closing = False
@@ -238,6 +240,9 @@ class SandboxHost:
     def _boot(self, config: SandboxConfig, pg_hex: str, name: str | None) -> str:
         labels = self._labels(config, pg_hex, name)
         t0 = time.perf_counter()
+        if config.image:  # a filesystem image from another node is fetched first
+            image = self._image_imports.local_ref(config.image, start_host)
+            config = config.model_copy(update={"image": image})
         with self._boots:
             sid = self._rt.create(config.model_copy(update={"labels": labels}), detach=False)
         metrics.observe_create(time.perf_counter() - t0)
@@ -428,6 +433,21 @@ class SandboxHost:
             return self._rt.restore(snapshot, 1, labels=labels, sandbox_ids=ids)[0]
 
         return self._start(pg_hex, owner_job, start)
+
+    def snapshot_filesystem(self, sandbox_id: str, max_bytes: int | None = None) -> str:
+        """The sandbox's files as an image; its reference works on any node."""
+        kw = {} if max_bytes is None else {"max_bytes": max_bytes}
+        return self._rt.snapshot_filesystem(sandbox_id, scope=self.node_id, **kw).ref
+
+    def fs_image_stream(self, image_id: str) -> Iterator[bytes]:
+        """A filesystem image taken here, as a tar of its OCI layout (for another node)."""
+        path = fs_image.layout(self.node_id, image_id, self._rt.home)
+        if not path.is_dir():
+            raise ImageNotFoundError(f"no filesystem image {image_id} on node {self.node_id}")
+        yield from rechunk(archive.pack_local(path))
+
+    def delete_filesystem_image(self, ref: str) -> None:
+        self._rt.delete_filesystem_image(ref)
 
     def snapshot_stream(self, snapshot_id: str) -> Iterator[bytes]:
         """The snapshot's files as a tar stream (for a restore on another node)."""

@@ -4,6 +4,9 @@ bounded by a chunk, and a sandbox on another node works the same as a local one.
 
 from __future__ import annotations
 
+import os
+import secrets
+import shutil
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -11,7 +14,8 @@ from typing import Any
 
 import ray
 
-from ..runtime import SandboxRuntime, archive, hostfs
+from ..runtime import SandboxRuntime, archive, fs_image, hostfs
+from ..runtime.errors import ImageNotFoundError
 from ..runtime.snapshot import Snapshot
 
 
@@ -97,3 +101,44 @@ class SnapshotImports:
             gen = source.snapshot_stream.options(num_returns="streaming").remote(
                 snap.snapshot_id)
             self._rt.import_snapshot(fetch(gen))
+
+
+class ImageImports:
+    """Copies filesystem images taken on other nodes (``fs_image``: their reference names
+    the node) into this node's home before a sandbox starts from one, once each."""
+
+    def __init__(self, home: Path, node_id: str) -> None:
+        self._home = home
+        self._node_id = node_id
+        self._lock = threading.Lock()
+        self._fetching: dict[str, threading.Lock] = {}
+
+    def local_ref(self, ref: str, host_of: Callable[[str], Any]) -> str:
+        """``ref`` as this node's copy, fetched first if it is not here yet; other
+        references as they are. ``host_of(node_id)`` is the host actor that streams it."""
+        parsed = fs_image.parse(ref)
+        if parsed is None:
+            return ref
+        node, image_id = parsed
+        dest = fs_image.layout(node, image_id, self._home)
+        with self._lock:
+            lock = self._fetching.setdefault(image_id, threading.Lock())
+        with lock:
+            if node != self._node_id and not dest.is_dir():
+                self._fetch(ref, node, image_id, dest, host_of)
+        return fs_image.reference(dest)
+
+    @staticmethod
+    def _fetch(ref: str, node: str, image_id: str, dest: Path,
+               host_of: Callable[[str], Any]) -> None:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        part = dest.with_name(f".{image_id}.{secrets.token_hex(4)}.part")
+        try:
+            gen = host_of(node).fs_image_stream.options(num_returns="streaming").remote(image_id)
+            archive.extract_local(fetch(gen), part)
+            os.replace(part, dest)
+        except (ray.exceptions.RayError, OSError) as exc:
+            raise ImageNotFoundError(f"filesystem image {ref} could not be fetched from node "
+                                     f"{node}: {exc}") from None
+        finally:
+            shutil.rmtree(part, ignore_errors=True)

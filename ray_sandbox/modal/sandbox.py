@@ -272,6 +272,9 @@ class Sandbox:
         raise NotImplementedError("Sandbox.set_tags: tags are fixed at create here "
                                   "(Sandbox.create(tags=...)); docs/compat.md")
 
-    def snapshot_filesystem(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError("Sandbox.snapshot_filesystem: not supported yet; "
-                                  "ray_sandbox's snapshot() keeps memory too (docs/compat.md)")
+    @dual
+    def snapshot_filesystem(self, timeout: int = 55) -> Image:
+        """Its files as an :class:`Image` that later ``Sandbox.create(image=...)`` start
+        from, on any node (docs/snapshots.md, "Filesystem images")."""
+        ref = self._handle.snapshot_filesystem.remote()
+        return Image(ray.get(ref, timeout=timeout))

@@ -40,6 +40,7 @@ _CONFIG = "application/vnd.oci.image.config.v1+json"
 _LAYER = "application/vnd.oci.image.layer.v1.tar"
 _ID_RE = re.compile(r"^[0-9a-f]{32}$")
 _SCOPE_RE = re.compile(r"^[0-9a-zA-Z_-]{1,64}$")
+_REF_RE = re.compile(rf"^oci:/(?:.*/)?{DIR}/([0-9a-zA-Z_-]{{1,64}})/([0-9a-f]{{32}}):{REF_NAME}$")
 
 
 def root(home: Path | None = None) -> Path:
@@ -57,15 +58,17 @@ def reference(path: Path) -> str:
     return f"oci:{path}:{REF_NAME}"
 
 
-def parse(ref: str, home: Path | None = None) -> tuple[str, str] | None:
-    """(scope, id) if ``ref`` names a filesystem image under this node's home, else None."""
-    prefix = f"oci:{root(home)}/"
-    if not ref.startswith(prefix) or not ref.endswith(f":{REF_NAME}"):
-        return None
-    parts = ref[len(prefix):-len(REF_NAME) - 1].split("/")
-    if len(parts) != 2 or not _SCOPE_RE.match(parts[0]) or not _ID_RE.match(parts[1]):
-        return None
-    return parts[0], parts[1]
+def parse(ref: str) -> tuple[str, str] | None:
+    """(scope, id) if ``ref`` names a filesystem image, in whatever node's home: homes may
+    differ between nodes, so a node finds the image in its own home (:func:`local_ref`)."""
+    m = _REF_RE.match(ref)
+    return (m.group(1), m.group(2)) if m else None
+
+
+def local_ref(ref: str, home: Path | None = None) -> str:
+    """``ref`` pointed at this node's home if it names a filesystem image, else ``ref``."""
+    parsed = parse(ref)
+    return ref if parsed is None else reference(layout(*parsed, home))
 
 
 def capture(client: AgentClient, sandbox_id: str, config: ImageConfig, dest: Path, *,

@@ -456,13 +456,14 @@ class SandboxRuntime:
             raise
 
     def delete_filesystem_image(self, ref: str) -> None:
-        """Remove an image made by :meth:`snapshot_filesystem` from the store and the disk
-        (idempotent; ImageInUseError while a sandbox of this node uses it)."""
-        parsed = fs_image.parse(ref, self.home)
+        """Remove an image made by :meth:`snapshot_filesystem` (here, or fetched from another
+        node) from the store and the disk. Idempotent; ImageInUseError while a sandbox of
+        this node uses it."""
+        parsed = fs_image.parse(ref)
         if parsed is None:
-            raise ConfigError(f"{ref!r} is not a filesystem image of this node")
+            raise ConfigError(f"{ref!r} is not a filesystem image")
         with contextlib.suppress(ImageNotFoundError):
-            self.images.remove(ref)
+            self.images.remove(fs_image.local_ref(ref, self.home))
         fs_image.remove(*parsed, self.home)
 
     def oom_killed(self, sandbox_id: str) -> bool:
