@@ -35,11 +35,14 @@ from ._models import (
     check_path,
 )
 from ._sandboxes import Sandboxes, make_options
+from ._state import Shared, connect
 
 PREFIX = "/api/v1"
 PUBLIC = frozenset({f"{PREFIX}/health", f"{PREFIX}/openapi.json"})
 PORTS = f"{PREFIX}/ports/"  # authorized by the signed token in the path (_ports.py)
 MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+# which replica answered: the same answers come from any of them, this tells them apart
+REPLICA_HEADER = b"x-ray-sandbox-replica"
 
 # Route parameters live here: the routes' annotations are strings resolved in this module.
 Wait = Annotated[float, Query(ge=0, description="long-poll seconds (capped by the service)")]
@@ -67,8 +70,9 @@ class Guard:
     """Outermost: 401 before anything is read, 413 past the body limit (the declared length
     or the bytes that arrive), one audit line per mutating call."""
 
-    def __init__(self, app: ASGIApp, config: ServiceConfig) -> None:
+    def __init__(self, app: ASGIApp, config: ServiceConfig, replica: str) -> None:
         self._app = app
+        self._replica = (REPLICA_HEADER, replica.encode())
         self._config = config
         self._tokens = {t: s.get_secret_value().encode() for t, s in config.tokens.items()}
         if config.audit_log is not None:
@@ -119,6 +123,8 @@ class Guard:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                message = {**message, "headers": [*message.get("headers", ()),
+                                                  self._replica]}
             await send(message)
 
         t0 = time.monotonic()
@@ -159,9 +165,10 @@ async def _refuse(send: Send, status: int, message: str) -> None:
     await send({"type": "http.response.body", "body": payload})
 
 
-def build_app(config: ServiceConfig) -> Any:
-    """The ASGI app of one replica."""
-    sandboxes = Sandboxes(config)
+def build_app(config: ServiceConfig, state: Shared | None = None) -> Any:
+    """The ASGI app of one replica; ``state`` is the books it shares with the others (its
+    own when None: one replica)."""
+    sandboxes = Sandboxes(config, state or connect(config, None))
     proxy = _ports.Proxy(config)
 
     @asynccontextmanager
@@ -318,7 +325,7 @@ def build_app(config: ServiceConfig) -> Any:
 
     @app.get(f"{PREFIX}/snapshots")
     async def list_snapshots(request: Request) -> dict[str, list[str]]:
-        return {"snapshots": sandboxes.snapshots(tenant(request))}
+        return {"snapshots": await sandboxes.snapshots(tenant(request))}
 
     @app.delete(f"{PREFIX}/snapshots/{{snapshot_id}}")
     async def delete_snapshot(request: Request, snapshot_id: str) -> dict[str, str]:
@@ -368,7 +375,7 @@ def build_app(config: ServiceConfig) -> Any:
             where, max_bytes=config.max_file_bytes))
         return Response(data, media_type="application/octet-stream")
 
-    return Guard(app, config)
+    return Guard(app, config, sandboxes.replica)
 
 
 def _path(path: str) -> str:

@@ -60,6 +60,10 @@ class ServiceConfig(BaseModel):
     call_timeout: float = Field(120.0, gt=0, description="bound on one call to a host")
     create_timeout: float = Field(600.0, gt=0, description="wait for room (and an image pull)")
     max_ongoing_requests: int = Field(1024, gt=0, description="per replica (long polls wait)")
+    num_replicas: int = Field(1, ge=1, le=64, description="Serve replicas; more than one "
+                              "share their books through one state actor (docs/service.md)")
+    state_timeout: float = Field(10.0, gt=0, description="bound on one call to the state "
+                                 "actor; past it the request is a 503")
     audit_log: Path | None = Field(None, description="also append audit lines to this file")
     signing_key: SecretStr = Field(default_factory=lambda: SecretStr(secrets.token_hex(32)),
                                    description="signs port URLs (RAY_SANDBOX_API_SIGNING_KEY)")

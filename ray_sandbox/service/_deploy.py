@@ -1,5 +1,6 @@
-"""The Ray Serve deployment: one replica (it holds the execs' results and the tenants'
-books) serving the app, and starting it on a running Ray cluster."""
+"""The Ray Serve deployment: ``num_replicas`` replicas serving the app (with more than one,
+they share their books through one state actor, ``_state``), and starting it on a running
+Ray cluster."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from ray import serve
 
 from ._app import build_app
 from ._config import ServiceConfig, from_env
+from ._state import connect, disconnect
 
 APP_NAME = "ray-sandbox"
 
@@ -17,7 +19,8 @@ class SandboxService:
     """Builds the app in the replica, so nothing but the config crosses to it."""
 
     def __init__(self, config: ServiceConfig) -> None:
-        self._app = build_app(config)
+        app = serve.get_replica_context().app_name
+        self._app = build_app(config, connect(config, app))
 
     def __serve_build_asgi_app__(self) -> Any:
         return self._app
@@ -27,7 +30,7 @@ def application(config: ServiceConfig) -> Any:
     """The Serve application, for ``serve.run`` (or a RayService's import path)."""
     deployment = serve.deployment(
         name="SandboxService",
-        num_replicas=1,  # exec results and in-flight creates live in the replica
+        num_replicas=config.num_replicas,
         max_ongoing_requests=config.max_ongoing_requests,  # long polls hold a request each
         ray_actor_options={"num_cpus": 0},  # sandboxes reserve their own CPUs
     )(serve.ingress()(SandboxService))
@@ -43,8 +46,9 @@ def start(config: ServiceConfig, host: str = "127.0.0.1", port: int = 8000) -> s
 
 
 def stop() -> None:
-    """Delete the service's app and stop Serve."""
+    """Delete the service's app, its state actor, and stop Serve."""
     serve.delete(APP_NAME)
+    disconnect(APP_NAME)
     serve.shutdown()
 
 

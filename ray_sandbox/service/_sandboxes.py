@@ -3,8 +3,9 @@
 
 A sandbox's API id is its Ray-layer name (``create(name=...)``), made before the create
 starts so ``POST`` can answer at once; its tenant and charge are labels on it, so a restarted
-replica adopts what its predecessor made. Used from the replica's event loop only; calls that
-block (create, listing) run in a bounded set of threads.
+replica adopts what its predecessor made. What every replica must agree on lives in the
+shared books (``_state``). Used from the replica's event loop only; calls that block
+(create, listing) run in a bounded set of threads.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from ..runtime.results import ExecResult, SandboxState
 from . import _errors, _pty, _streams
 from ._config import ServiceConfig
 from ._models import ExecInfo, SandboxInfo
-from ._quota import Charge, charge, over_quota
+from ._quota import Charge, charge
+from ._state import Shared
 from ._volumes import TenantVolumes
 
 log = logging.getLogger(__name__)
@@ -61,44 +63,56 @@ class Entry:
     created_at: float | None
     ports: tuple[int, ...] = ()
     handle: Any = None  # SandboxHandle once made
-    creating: asyncio.Task[None] | None = None
+    creating: asyncio.Task[None] | None = None  # this replica's create of it
     error: str | None = None
     deleted: bool = False
-    execs: OrderedDict[str, Exec] = field(default_factory=OrderedDict)
-    streams: dict[str, _streams.Stream] = field(default_factory=dict)
-
-
-@dataclass(eq=False)
-class Kept:
-    """A snapshot the service took for a tenant, and the sandbox it was taken from."""
-
-    tenant: str
-    snapshot: Any  # ray_sandbox.actor.Snapshot
-    source: Entry
+    execs: OrderedDict[str, Exec] = field(default_factory=OrderedDict)  # run by this replica
+    streams: dict[str, _streams.Stream] = field(default_factory=dict)  # read by this replica
 
 
 def user_labels(labels: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in labels.items() if not k.startswith(LABEL_PREFIX)}
 
 
-class Sandboxes:
-    """Every tenant's sandboxes in one replica."""
+def _from_record(rec: dict[str, Any], tenant: str) -> Entry:
+    """A create the books know (pending or failed), perhaps another replica's."""
+    return Entry(rec["sandbox_id"], tenant, Charge(rec["cpu"], rec["memory"]), rec["image"],
+                 dict(rec["labels"]), rec["created_at"], error=rec["error"])
 
-    def __init__(self, config: ServiceConfig) -> None:
+
+class Sandboxes:
+    """Every tenant's sandboxes as one replica sees them. What every replica must agree on
+    (creates in flight, the quota, exec results, snapshots) is in the shared books
+    (``_state``); a replica keeps its own handles, the execs it runs and its streams."""
+
+    def __init__(self, config: ServiceConfig, state: Shared) -> None:
         self._config = config
+        self._state = state
+        self.replica = secrets.token_hex(6)
         self._entries: dict[str, Entry] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
         self._threads = anyio.CapacityLimiter(config.create_threads)
         self._direct = 0  # execs running in threads through handle.run
         self._direct_threads = anyio.CapacityLimiter(max(1, config.direct_exec_threads))
         self._adopted = False
         self._adopting = asyncio.Lock()
         self._streaming = 0
-        self._snapshots: dict[str, Kept] = {}
+        # reports to the books nobody waits for (an exec's result, a stream's end): one per
+        # exec or stream at most, so bounded by them
+        self._reports: set[asyncio.Task[Any]] = set()
         self.volumes = TenantVolumes(config, self._blocking)
 
     async def _blocking(self, fn: Any, *args: Any) -> Any:
         return await anyio.to_thread.run_sync(fn, *args, limiter=self._threads)
+
+    def _report(self, method: str, *args: Any) -> None:
+        task = asyncio.ensure_future(self._state(method, *args))
+        self._reports.add(task)
+        task.add_done_callback(self._reported)
+
+    def _reported(self, task: asyncio.Task[Any]) -> None:
+        self._reports.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("a report to the service's books failed: %s", task.exception())
 
     # --- finding ---------------------------------------------------------------------------
 
@@ -118,8 +132,9 @@ class Sandboxes:
     async def _adopt_one(self, handle: Any) -> Entry | None:
         # a copy (fork, restore) has no name: its runtime id is its API id
         api_id = handle.name or handle.sandbox_id
-        if api_id in self._entries:
-            return self._entries[api_id]
+        known = self._entries.get(api_id)
+        if known is not None and known.handle is not None:
+            return known
         try:
             status = await self.call(handle.status.remote())
         except SandboxNotFoundError:
@@ -133,29 +148,68 @@ class Sandboxes:
                       status.created_at.timestamp() if status.created_at else None,
                       ports=tuple(int(p) for p in labels.get(PORTS_LABEL, "").split(",") if p),
                       handle=handle)
-        self._entries[entry.api_id] = entry
+        if known is None:  # one this replica is making keeps its entry (and its task)
+            self._entries[entry.api_id] = entry
         return entry
+
+    async def _live(self, tenant: str) -> dict[str, Entry]:
+        """The tenant's sandboxes the hosts list now, adopted; the ones a host ended by
+        itself (TTL, death) are forgotten."""
+        found = {}
+        for h in await self._blocking(actor.list, {TENANT_LABEL: tenant}):
+            entry = await self._adopt_one(h)
+            if entry is not None and entry.tenant == tenant:
+                found[entry.api_id] = entry
+        for e in list(self._entries.values()):
+            if e.tenant == tenant and e.handle is not None and e.api_id not in found:
+                del self._entries[e.api_id]
+        return found
 
     async def find(self, tenant: str, api_id: str) -> Entry:
         """The tenant's sandbox; anyone else's, or none, is 404 (never 403: an id of another
         tenant must not be told apart from one that does not exist)."""
         await self._adopt()
-        entry = self._entries.get(api_id) if ID_RE.match(api_id) else None
-        if entry is None and ID_RE.match(api_id):
-            # made by another replica since this one adopted: ask the hosts by its labels
+        if not ID_RE.match(api_id):
+            raise _errors.refusal(404, f"no sandbox {api_id!r}")
+        entry = self._entries.get(api_id)
+        if entry is None or entry.handle is None:
+            # being created or failed, here or on another replica: the books know
+            rec = await self._state("create_record", tenant, api_id)
+            entry = self._entries.get(api_id)
+            if rec is not None:
+                return entry if entry is not None and entry.tenant == tenant \
+                    else _from_record(rec, tenant)
+        if entry is None or entry.handle is None:
+            # made by another replica (or finished just now): ask the hosts by its labels
             found = [h for h in await self._blocking(actor.list, {TENANT_LABEL: tenant})
                      if api_id in (h.name, h.sandbox_id)]
             entry = await self._adopt_one(found[0]) if found else None
-        if entry is None or entry.tenant != tenant or entry.deleted:
+        if entry is None or entry.tenant != tenant or entry.deleted or entry.handle is None:
             raise _errors.refusal(404, f"no sandbox {api_id!r}")
         return entry
+
+    async def _settle(self, entry: Entry, wait: float) -> Entry:
+        """``entry`` once its create ended, waiting up to ``wait`` seconds (capped); still
+        pending after that, it is returned as it is."""
+        if entry.handle is not None or entry.error is not None or wait <= 0:
+            return entry
+        wait = min(wait, self._config.max_wait_seconds)
+        if entry.creating is not None:  # this replica's: its task
+            await asyncio.wait([entry.creating], timeout=wait)
+            if not entry.creating.done() or entry.error is not None:
+                return entry
+        else:  # another replica's: the books wake us when it ends
+            rec = await self._state("create_record", entry.tenant, entry.api_id, wait,
+                                    wait=wait)
+            if rec is not None:
+                return _from_record(rec, entry.tenant)
+        return await self.find(entry.tenant, entry.api_id)
 
     async def running(self, tenant: str, api_id: str) -> Entry:
         """The tenant's sandbox once its create finished; 409 while pending, the create's
         error once it failed."""
-        entry = await self.find(tenant, api_id)
-        if entry.creating is not None and not entry.creating.done():
-            await asyncio.wait([entry.creating], timeout=self._config.max_wait_seconds)
+        entry = await self._settle(await self.find(tenant, api_id),
+                                   self._config.max_wait_seconds)
         if entry.handle is None:
             message = entry.error or "the sandbox is still being created; wait for running"
             raise _errors.refusal(409, message)
@@ -178,12 +232,13 @@ class Sandboxes:
         # the Ray layer's defaults (a writable root capped by a disk) apply, as for create()
         config = actor.make_template(**options).config
         cost = charge(config)
-        async with self._locks.setdefault(tenant, asyncio.Lock()):
-            await self._check_quota(tenant, cost)
-            api_id = secrets.token_hex(16)
-            entry = Entry(api_id, tenant, cost, config.image, dict(labels), time.time(),
-                          ports=config.expose_ports)
-            self._entries[api_id] = entry
+        api_id = secrets.token_hex(16)
+        entry = Entry(api_id, tenant, cost, config.image, dict(labels), time.time(),
+                      ports=config.expose_ports)
+        await self._admit(tenant, [api_id], cost, {
+            "image": entry.image, "labels": entry.labels, "cpu": cost.cpu,
+            "memory": cost.memory, "created_at": entry.created_at})
+        self._entries[api_id] = entry
         ray_labels = {**labels, TENANT_LABEL: tenant, CPU_LABEL: repr(cost.cpu),
                       MEMORY_LABEL: str(cost.memory),
                       PORTS_LABEL: ",".join(map(str, config.expose_ports))}
@@ -191,53 +246,42 @@ class Sandboxes:
                                                                      "labels": ray_labels}))
         return entry
 
-    async def _check_quota(self, tenant: str, cost: Charge, count: int = 1) -> None:
-        """429 unless ``count`` more sandboxes of ``cost`` fit the tenant's quota."""
-        quota = self._config.quota(tenant)
-
-        def why() -> str | None:
-            held = self._charges(tenant)
-            for _ in range(count):
-                reason = over_quota(quota, held, cost)
-                if reason is not None:
-                    return reason
-                held.append(cost)
-            return None
-
-        if why() is None:
-            return
-        # What a host ended by itself (TTL, death) is still counted here: look again.
-        await self._forget_gone(tenant)
-        reason = why()
+    async def _admit(self, tenant: str, keys: list[str], cost: Charge,
+                     pending: dict[str, Any] | None = None) -> None:
+        """Charge ``keys`` (one sandbox each) to the tenant in one step of the books, so no
+        two replicas both admit past the quota; 429 if they do not fit."""
+        quota = self._config.quota(tenant).model_dump()
+        args = (tenant, quota, keys, cost.cpu, cost.memory, pending)
+        reason = await self._state("admit", *args)
+        if reason is not None:
+            # The books may not know the tenant's sandboxes yet (new books: a first start,
+            # a restarted state actor) or still count ones a host ended by itself: look.
+            epoch = await self._state("epoch")
+            live = await self._live(tenant)
+            await self._state("reconcile", tenant, {
+                k: (e.charge.cpu, e.charge.memory) for k, e in live.items()}, epoch)
+            reason = await self._state("admit", *args)
         if reason is not None:
             raise _errors.refusal(429, reason)
 
-    def _charges(self, tenant: str) -> list[Charge]:
-        # one deleted while still being made holds its resources until it is made and ended
-        return [e.charge for e in self._entries.values() if e.tenant == tenant
-                and e.error is None and (not e.deleted or e.handle is None)]
-
-    async def _forget_gone(self, tenant: str) -> None:
-        live = {h.name or h.sandbox_id
-                for h in await self._blocking(actor.list, {TENANT_LABEL: tenant})}
-        for e in list(self._entries.values()):
-            if e.tenant == tenant and e.handle is not None and e.api_id not in live:
-                del self._entries[e.api_id]
-
     async def _create(self, entry: Entry, options: dict[str, Any]) -> None:
+        error = None
         try:
-            handle = await self._blocking(self._create_blocking, entry.api_id, options)
+            entry.handle = await self._blocking(self._create_blocking, entry.api_id, options)
         except SandboxError as exc:
-            entry.error = f"{_errors.code_of(exc)}: {exc.message}"
-            self._trim_errors(entry.tenant)
-            return
+            error = f"{_errors.code_of(exc)}: {exc.message}"
         except Exception as exc:  # a host or Ray failure: the entry must not stay pending
             log.warning("create of %s failed: %s", entry.api_id, exc)
-            entry.error = f"unavailable: {exc}"[:2000]
-            self._trim_errors(entry.tenant)
-            return
-        entry.handle = handle
-        if entry.deleted:  # deleted while it was being made
+            error = f"unavailable: {exc}"[:2000]
+        if error is not None:
+            entry.error = error  # the books keep it for GET; this replica forgets it
+            self._entries.pop(entry.api_id, None)
+        try:
+            deleted = await self._state("created", entry.api_id, error)
+        except _errors.HTTPException:  # its record expires; a reconcile counts the sandbox
+            deleted = False
+        if entry.handle is not None and (entry.deleted or deleted):
+            entry.deleted = True  # deleted while it was being made
             try:
                 await self._terminate(entry)
             except Exception as exc:  # nobody awaits this task: say it, the TTL or gc ends it
@@ -248,15 +292,9 @@ class Sandboxes:
         return actor.create(name=api_id, lifetime="detached",
                             timeout=self._config.create_timeout, **options)
 
-    def _trim_errors(self, tenant: str) -> None:
-        failed = [e for e in self._entries.values() if e.tenant == tenant and e.error]
-        for e in failed[:max(0, len(failed) - self._config.max_errored)]:
-            del self._entries[e.api_id]
-
     async def info(self, entry: Entry, wait: float = 0.0) -> SandboxInfo:
         """Its status, waiting up to ``wait`` seconds for a pending create to finish."""
-        if entry.creating is not None and not entry.creating.done() and wait > 0:
-            await asyncio.wait([entry.creating], timeout=min(wait, self._config.max_wait_seconds))
+        entry = await self._settle(entry, wait)
         status, reason = "pending", None
         if entry.error is not None:
             status, reason = "error", entry.error
@@ -266,34 +304,45 @@ class Sandboxes:
                 status, reason = _STATES[st.state], st.reason
             except SandboxNotFoundError:
                 status, reason = "terminated", "gone"
+            if status == "terminated" and await self._state("was_deleted", entry.api_id):
+                # deleted through another replica: 404, as the replica that deleted it says
+                self._entries.pop(entry.api_id, None)
+                raise _errors.refusal(404, f"no sandbox {entry.api_id!r}")
         return SandboxInfo(sandbox_id=entry.api_id, status=status, reason=reason,
                            image=entry.image, cpu=entry.charge.cpu, memory=entry.charge.memory,
                            labels=entry.labels, created_at=entry.created_at)
 
     async def list(self, tenant: str, labels: Mapping[str, str]) -> list[SandboxInfo]:
         await self._adopt()
-        await self._forget_gone(tenant)
-        mine = [e for e in self._entries.values() if e.tenant == tenant and not e.deleted
-                and all(e.labels.get(k) == v for k, v in labels.items())]
+        live = await self._live(tenant)
+        made = [e for e in live.values() if not e.deleted]
+        # creates pending or failed, whichever replica took them
+        more = [_from_record(r, tenant) for r in await self._state("creates", tenant)
+                if r["sandbox_id"] not in live]
+        mine = [e for e in made + more if all(e.labels.get(k) == v for k, v in labels.items())]
         return list(await asyncio.gather(*(self.info(e) for e in mine)))
 
     async def delete(self, tenant: str, api_id: str) -> None:
         """Idempotent: an unknown, already deleted or someone else's id is not an error."""
         try:
             entry = await self.find(tenant, api_id)
-        except _errors.HTTPException:
-            return
+        except _errors.HTTPException as exc:
+            if exc.status_code == 404:
+                return
+            raise
         entry.deleted = True
         for ex in entry.execs.values():
             ex.future.cancel()
         # streamed execs end with their sandbox: their next read fails and closes them
-        if entry.creating is not None and not entry.creating.done():
-            # _create terminates it once made; waiting (bounded) lets the caller see it gone
-            await asyncio.wait([entry.creating], timeout=self._config.max_wait_seconds)
-        elif entry.handle is not None:
+        if entry.handle is not None:
             await self._terminate(entry)
-        elif entry.error is not None:
-            self._entries.pop(entry.api_id, None)
+            return
+        wait = self._config.max_wait_seconds
+        # the replica making it ends it once made; waiting (bounded) lets the caller see it
+        # gone
+        if await self._state("delete_create", tenant, api_id, wait, wait=wait) == "pending" \
+                and entry.creating is not None:
+            await asyncio.wait([entry.creating], timeout=wait)
 
     async def _terminate(self, entry: Entry) -> None:
         try:
@@ -301,73 +350,90 @@ class Sandboxes:
         except SandboxNotFoundError:
             pass
         self._entries.pop(entry.api_id, None)
+        try:
+            await self._state("gone", entry.tenant, entry.api_id)
+        except _errors.HTTPException:  # the charge heals at the next reconcile
+            log.warning("the books did not hear of %s's deletion", entry.api_id)
 
     async def shutdown(self) -> None:
-        """Wait for creates in flight (bounded), so none is left half made."""
+        """Wait for creates in flight and reports to the books (bounded), so none is left
+        half made."""
         pending = [e.creating for e in self._entries.values()
                    if e.creating is not None and not e.creating.done()]
-        if pending:
-            await asyncio.wait(pending, timeout=self._config.call_timeout)
+        if pending or self._reports:
+            await asyncio.wait([*pending, *self._reports], timeout=self._config.call_timeout)
 
     # --- snapshots and copies -------------------------------------------------------------
 
     async def snapshot(self, entry: Entry) -> str:
         """Snapshot a running sandbox (it keeps running); the tenant's snapshots are bounded."""
-        mine = [x for x in self._snapshots.values() if x.tenant == entry.tenant]
-        if len(mine) >= self._config.max_snapshots:
-            raise _errors.refusal(429, f"{len(mine)} snapshots kept, the limit; delete one")
+        limit = self._config.max_snapshots
+        if len(await self._state("snapshots", entry.tenant)) >= limit:
+            raise _errors.refusal(429, f"{limit} snapshots kept, the limit; delete one")
         snap = await self.call(entry.handle.snapshot.remote())
-        self._snapshots[snap.snapshot_id] = Kept(entry.tenant, snap, entry)
+        reason = await self._state("keep_snapshot", entry.tenant, snap.snapshot_id, {
+            "snapshot": snap, "cpu": entry.charge.cpu, "memory": entry.charge.memory,
+            "image": entry.image, "labels": entry.labels})
+        if reason is not None:  # another replica kept one meanwhile
+            await self._blocking(actor.delete_snapshot, snap)
+            raise _errors.refusal(429, reason)
         return snap.snapshot_id
 
-    def kept(self, tenant: str, snapshot_id: str) -> Kept:
-        kept = self._snapshots.get(snapshot_id)
-        if kept is None or kept.tenant != tenant:
+    async def kept(self, tenant: str, snapshot_id: str) -> dict[str, Any]:
+        kept = await self._state("snapshot", tenant, snapshot_id)
+        if kept is None:
             raise _errors.refusal(404, f"no snapshot {snapshot_id!r}")
         return kept
 
-    def snapshots(self, tenant: str) -> list[str]:
-        return [k for k, x in self._snapshots.items() if x.tenant == tenant]
+    async def snapshots(self, tenant: str) -> list[str]:
+        return await self._state("snapshots", tenant)
 
     async def delete_snapshot(self, tenant: str, snapshot_id: str) -> None:
-        try:
-            kept = self.kept(tenant, snapshot_id)
-        except _errors.HTTPException:
-            return  # idempotent, like a sandbox's delete
-        del self._snapshots[snapshot_id]
-        await self._blocking(actor.delete_snapshot, kept.snapshot)
+        kept = await self._state("drop_snapshot", tenant, snapshot_id)
+        if kept is not None:  # else idempotent, like a sandbox's delete
+            await self._blocking(actor.delete_snapshot, kept["snapshot"])
 
     async def restore(self, tenant: str, snapshot_id: str, count: int) -> list[str]:
         """``count`` running copies of a snapshot (all or none), charged like their source."""
-        kept = self.kept(tenant, snapshot_id)
-        return await self._copies(kept.source, count, partial(
-            actor.restore, kept.snapshot, count, timeout=self._config.create_timeout,
-            lifetime="detached"))
+        kept = await self.kept(tenant, snapshot_id)
+        return await self._copies(
+            tenant, Charge(kept["cpu"], kept["memory"]), kept["image"], kept["labels"], count,
+            partial(actor.restore, kept["snapshot"], count,
+                    timeout=self._config.create_timeout, lifetime="detached"))
 
     async def fork(self, entry: Entry, count: int) -> list[str]:
         """``count`` running copies of a running sandbox."""
-        return await self._copies(entry, count, partial(
-            actor.fork, entry.handle, count, timeout=self._config.create_timeout,
-            lifetime="detached"))
+        return await self._copies(entry.tenant, entry.charge, entry.image, entry.labels, count,
+                                  partial(actor.fork, entry.handle, count,
+                                          timeout=self._config.create_timeout,
+                                          lifetime="detached"))
 
-    async def _copies(self, source: Entry, count: int, make: Any) -> list[str]:
-        async with self._locks.setdefault(source.tenant, asyncio.Lock()):
-            await self._check_quota(source.tenant, source.charge, count)
-            # held while the copies are made, so no create slips past the quota meanwhile
+    async def _copies(self, tenant: str, cost: Charge, image: str, labels: dict[str, str],
+                      count: int, make: Any) -> list[str]:
+        # charged before they are made (placeholders), so no create slips past the quota
+        keys = [f"copy-{secrets.token_hex(8)}" for _ in range(count)]
+        await self._admit(tenant, keys, cost)
+        try:
             handles = await self._blocking(make)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._state("release", tenant, keys)
+            raise
         ids = []
         for h in handles:
-            entry = Entry(h.sandbox_id, source.tenant, source.charge, source.image,
-                          dict(source.labels), time.time(), handle=h)
+            entry = Entry(h.sandbox_id, tenant, cost, image, dict(labels), time.time(),
+                          handle=h)
             self._entries[entry.api_id] = entry
             ids.append(entry.api_id)
+        await self._state("settle", tenant, keys, ids)
         return ids
 
     # --- execs -----------------------------------------------------------------------------
 
     async def start_exec(self, entry: Entry, command: list[str] | str, **kw: Any) -> Exec:
         """Start a command; its result is kept among the sandbox's last
-        ``max_execs_per_sandbox`` (the oldest finished one is evicted, never a running one)."""
+        ``max_execs_per_sandbox`` (the oldest finished one is evicted, never a running one),
+        here and in the books, where every replica finds it."""
         if len(entry.execs) >= self._config.max_execs_per_sandbox:
             done = next((k for k, x in entry.execs.items() if x.future.done()), None)
             if done is None:
@@ -377,6 +443,11 @@ class Sandboxes:
         timeout = min(kw.pop("timeout", None) or self._config.max_exec_timeout,
                       self._config.max_exec_timeout)
         kw.update(timeout=timeout, max_output_bytes=self._config.max_output_bytes)
+        exec_id = secrets.token_hex(8)
+        reason = await self._state("exec_started", entry.tenant, entry.api_id, exec_id,
+                                   timeout)
+        if reason is not None:
+            raise _errors.refusal(429, reason)
         if self._direct < self._config.direct_exec_threads:
             self._direct += 1  # here, not in the task: a task cancelled unstarted never runs
             future: asyncio.Future[ExecResult] = asyncio.ensure_future(
@@ -384,8 +455,10 @@ class Sandboxes:
             future.add_done_callback(self._direct_done)
         else:  # every thread busy: no waiting for one, the actor call costs ~2 ms more
             future = asyncio.wrap_future(entry.handle.exec.remote(command, **kw).future())
-        ex = Exec(secrets.token_hex(8), future)
+        ex = Exec(exec_id, future)
         ex.future.add_done_callback(_consume)
+        ex.future.add_done_callback(lambda _: self._report(
+            "exec_finished", entry.api_id, ex.exec_id, exec_info(ex).model_dump(mode="json")))
         entry.execs[ex.exec_id] = ex
         return ex
 
@@ -403,13 +476,19 @@ class Sandboxes:
         self._direct -= 1
 
     async def exec_info(self, entry: Entry, exec_id: str, wait: float = 0.0) -> ExecInfo:
+        """From this replica's own future if it runs the exec, else from the books."""
+        wait = min(wait, self._config.max_wait_seconds)
         ex = entry.execs.get(exec_id)
-        if ex is None:
+        if ex is not None:
+            if not ex.future.done() and wait > 0:
+                await asyncio.wait([ex.future], timeout=wait)
+            return exec_info(ex)
+        found = await self._state("exec_record", entry.tenant, entry.api_id, exec_id, wait,
+                                  wait=wait)
+        if found is None:
             raise _errors.refusal(404, f"no exec {exec_id!r} in this sandbox (results are "
                                        f"kept for its last {self._config.max_execs_per_sandbox})")
-        if not ex.future.done() and wait > 0:
-            await asyncio.wait([ex.future], timeout=min(wait, self._config.max_wait_seconds))
-        return exec_info(ex)
+        return ExecInfo.model_validate(found)
 
     def _take_stream(self) -> None:
         """One of the ``max_streams`` streamed execs and terminals; 429 when none is left."""
@@ -430,11 +509,20 @@ class Sandboxes:
 
     async def stream_exec(self, entry: Entry, command: list[str] | str, *,
                           timeout: float | None, **kw: Any) -> AsyncIterator[bytes]:
-        """Start a streamed exec; returns its NDJSON lines (``_streams``)."""
+        """Start a streamed exec; returns its NDJSON lines (``_streams``). Its process key
+        goes to the books, so a signal or cancel landing on another replica reaches it."""
         self._take_stream()
         try:
             stream = await _streams.start(entry.handle, self.call, command, **kw)
         except BaseException:
+            self._streaming -= 1
+            raise
+        try:
+            await self._state("stream_started", entry.tenant, entry.api_id, stream.exec_id,
+                              stream.key)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await _streams.close(stream, self.call)
             self._streaming -= 1
             raise
         entry.streams[stream.exec_id] = stream
@@ -450,15 +538,22 @@ class Sandboxes:
         finally:
             entry.streams.pop(stream.exec_id, None)
             self._streaming -= 1
+            self._report("stream_ended", entry.api_id, stream.exec_id)
 
     async def signal_exec(self, entry: Entry, exec_id: str, signal: int | None) -> None:
-        """Send ``signal`` to a streamed exec, or cancel it (None: SIGTERM, then SIGKILL)."""
+        """Send ``signal`` to a streamed exec, or cancel it (None: SIGTERM, then SIGKILL);
+        one another replica reads is reached through the sandbox's handle by its key."""
         stream = entry.streams.get(exec_id)
         if stream is None:
-            if exec_id in entry.execs:
-                raise _errors.refusal(409, "only a streamed exec (POST .../execs/stream) can "
-                                           "be signalled or cancelled")
-            raise _errors.refusal(404, f"no running streamed exec {exec_id!r}")
+            key = None if exec_id in entry.execs else await self._state(
+                "stream_key", entry.tenant, entry.api_id, exec_id)
+            if key is None:
+                if exec_id in entry.execs or await self._state(
+                        "exec_record", entry.tenant, entry.api_id, exec_id) is not None:
+                    raise _errors.refusal(409, "only a streamed exec (POST .../execs/stream) "
+                                               "can be signalled or cancelled")
+                raise _errors.refusal(404, f"no running streamed exec {exec_id!r}")
+            stream = _streams.Stream(exec_id, key, entry.handle)
         if signal is None:
             await _streams.cancel(stream, self.call)
         else:
