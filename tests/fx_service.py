@@ -39,17 +39,20 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def service(request, ray_cluster, tmp_path_factory) -> Iterator[Service]:
-    """The module's service; a module may set ``SERVICE_QUOTAS`` (quota specs) of its own."""
+    """The module's service; a module may set ``SERVICE_QUOTAS`` (quota specs) and
+    ``SERVICE_REPLICAS`` of its own."""
     from ray_sandbox import service as svc
 
     audit = tmp_path_factory.mktemp("service") / "audit.log"
     tokens = ",".join(f"{t}={v}" for t, v in TOKENS.items())
     quotas = getattr(request.module, "SERVICE_QUOTAS", (BOB_QUOTA,))
+    replicas = getattr(request.module, "SERVICE_REPLICAS", 1)
     config = svc.from_env({"RAY_SANDBOX_API_TOKENS": tokens}, quotas=quotas, audit_log=audit,
-                          **LIMITS)
+                          num_replicas=replicas, **LIMITS)
     url = svc.start(config, "127.0.0.1", free_port())
     try:
         wait_healthy(url)
+        wait_replicas(replicas)
         yield Service(url, audit)
     finally:
         _delete_service_sandboxes()
@@ -69,6 +72,31 @@ def wait_healthy(url: str, alive: Callable[[], object] = lambda: None,
             pass
         alive()
         assert time.monotonic() < deadline, f"the service did not come up in {limit:g} s"
+        time.sleep(0.2)
+
+
+def replica_actors() -> list[dict]:
+    """The service's Serve replicas (their named actors)."""
+    import ray
+
+    return [a for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith("SERVE_REPLICA::") and "SandboxService" in a["name"]]
+
+
+def wait_replicas(n: int, limit: float = 120) -> None:
+    """Until Serve reports ``n`` running replicas of the service (bounded)."""
+    from ray import serve
+
+    from ray_sandbox.service import APP_NAME
+
+    deadline = time.monotonic() + limit
+    while True:
+        app = serve.status().applications.get(APP_NAME)
+        deployment = app.deployments.get("SandboxService") if app else None
+        running = deployment.replica_states.get("RUNNING", 0) if deployment else 0
+        if running == n:
+            return
+        assert time.monotonic() < deadline, f"{running} of {n} replicas ran in {limit:g} s"
         time.sleep(0.2)
 
 
