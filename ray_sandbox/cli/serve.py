@@ -31,6 +31,9 @@ def serve(
     ] = [],  # noqa: B006 - typer reads the default
     max_file_bytes: Annotated[int | None, typer.Option(help="one file up or down")] = None,
     audit_log: Annotated[Path | None, typer.Option(help="also append audit lines here")] = None,
+    replicas: Annotated[int, typer.Option(
+        min=1, help="Serve replicas; more than one share their books through a state actor")
+    ] = 1,
 ) -> None:
     """Serve sandboxes over HTTP (/api/v1) on Ray Serve. Tokens: RAY_SANDBOX_API_TOKEN (one
     tenant), RAY_SANDBOX_API_TOKENS=tenant=token,... or --tokens-file."""
@@ -42,8 +45,8 @@ def serve(
         err.print(f"[red]error:[/red] the service needs Ray Serve ({escape(str(exc))}): "
                   "pip install 'ray_sandbox[service]'")
         raise typer.Exit(2) from None
-    settings = {k: v for k, v in {"max_file_bytes": max_file_bytes,
-                                  "audit_log": audit_log}.items() if v is not None}
+    settings = {k: v for k, v in {"max_file_bytes": max_file_bytes, "audit_log": audit_log,
+                                  "num_replicas": replicas}.items() if v is not None}
     try:
         config = from_env(tokens_file=tokens_file, quotas=tuple(quota), **settings)
     except ConfigError as exc:
