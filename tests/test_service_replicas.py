@@ -284,3 +284,20 @@ def test_the_books_bound_exec_results_and_wake_a_waiting_poll():
         assert (await b.exec_record("t", "s", "e2"))["status"] == "running"
 
     asyncio.run(run())
+
+
+def test_the_books_lease_a_key_to_one_holder_until_it_lets_go_or_expires():
+    import asyncio
+
+    async def run():
+        b = books()
+        assert await b.lease("volumes:t", "a", 60) and await b.lease("volumes:t", "a", 60)
+        assert not await b.lease("volumes:t", "b", 60)
+        assert await b.lease("volumes:u", "b", 60)  # another tenant's key
+        await b.unlease("volumes:t", "b")  # not b's to let go
+        assert not await b.lease("volumes:t", "b", 60)
+        await b.unlease("volumes:t", "a")
+        assert await b.lease("volumes:t", "b", -1)  # expired at once
+        assert await b.lease("volumes:t", "c", 60)
+
+    asyncio.run(run())

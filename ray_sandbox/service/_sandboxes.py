@@ -99,7 +99,7 @@ class Sandboxes:
         # reports to the books nobody waits for (an exec's result, a stream's end): one per
         # exec or stream at most, so bounded by them
         self._reports: set[asyncio.Task[Any]] = set()
-        self.volumes = TenantVolumes(config, self._blocking)
+        self.volumes = TenantVolumes(config, self._blocking, state)
 
     async def _blocking(self, fn: Any, *args: Any) -> Any:
         return await anyio.to_thread.run_sync(fn, *args, limiter=self._threads)

@@ -97,6 +97,7 @@ class Books:
         self._streams: OrderedDict[tuple[str, str], tuple[str, str]] = OrderedDict()
         self._snapshots: dict[str, OrderedDict[str, dict[str, Any]]] = {}
         self._tombstones: OrderedDict[str, None] = OrderedDict()
+        self._leases: dict[str, tuple[str, float]] = {}  # key -> holder, until
 
     async def ping(self) -> bool:
         return True
@@ -322,6 +323,25 @@ class Books:
         can signal or cancel it through the sandbox's handle."""
         found = self._streams.get((api_id, exec_id))
         return found[1] if found is not None and found[0] == tenant else None
+
+    # --- leases ----------------------------------------------------------------------------
+
+    async def lease(self, key: str, holder: str, ttl: float) -> bool:
+        """Hold ``key`` for ``holder`` for ``ttl`` s (True) unless someone else holds it: a
+        check-then-act on the hosts (a tenant's volume count) done by one replica at a time.
+        Keys are per tenant and expire, so the table stays bounded."""
+        now = time.time()
+        for k in [k for k, (_, until) in self._leases.items() if until < now]:
+            del self._leases[k]
+        held = self._leases.get(key)
+        if held is not None and held[0] != holder:
+            return False
+        self._leases[key] = (holder, now + ttl)
+        return True
+
+    async def unlease(self, key: str, holder: str) -> None:
+        if self._leases.get(key, ("", 0.0))[0] == holder:
+            del self._leases[key]
 
     # --- snapshots -------------------------------------------------------------------------
 

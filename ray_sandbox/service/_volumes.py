@@ -2,14 +2,20 @@
 service gives every tenant its own namespace on it: a tenant's volume ``ws`` is the node's
 ``tv-<10 hex of the tenant>-ws``. A tenant names only its own volumes, in the API and in a
 sandbox's ``volumes=``; listing shows only its own, without the prefix. Bounded per tenant in
-count and size (``max_volumes``, ``max_volume_bytes``). The blocking calls (one task per
+count and size (``max_volumes``, ``max_volume_bytes``; the count holds across replicas: a
+tenant's creates take turns through a lease in the shared books). The blocking calls (one task per
 node) run in the caller's threads (``blocking``)."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import secrets
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
+
+import anyio
 
 from ..actor import volumes
 from ..runtime.config import VOLUME_NAME_RE, parse_size
@@ -17,9 +23,11 @@ from ..runtime.errors import VolumeNotFoundError
 from ..runtime.volumes import VolumeInfo
 from . import _errors
 from ._config import ServiceConfig
+from ._state import Shared
 
 Blocking = Callable[..., Awaitable[Any]]
 _NAME_MAX = 48  # 63 (a volume name) less the tenant's prefix
+LEASE_POLL = 0.1  # seconds between tries for the tenant's volume lease
 
 
 def prefix(tenant: str) -> str:
@@ -38,9 +46,10 @@ def _checked(name: str) -> str:
 
 
 class TenantVolumes:
-    def __init__(self, config: ServiceConfig, blocking: Blocking) -> None:
+    def __init__(self, config: ServiceConfig, blocking: Blocking, state: Shared) -> None:
         self._config = config
         self._blocking = blocking
+        self._state = state
 
     async def list(self, tenant: str) -> list[VolumeInfo]:
         mine = prefix(tenant)
@@ -56,10 +65,23 @@ class TenantVolumes:
         if nbytes > self._config.max_volume_bytes:
             raise _errors.refusal(400, f"a volume is at most {self._config.max_volume_bytes} "
                                        "bytes here")
-        if len(await self.list(tenant)) >= self._config.max_volumes:
-            raise _errors.refusal(429, f"this tenant has {self._config.max_volumes} volumes, "
-                                       "its limit; delete one first")
-        info = await self._blocking(volumes.create_volume, prefix(tenant) + name, nbytes)
+        # one count-then-create per tenant at a time, whichever replica: else two creates
+        # could both see room for one
+        key, holder = f"volumes:{tenant}", secrets.token_hex(8)
+        deadline = time.monotonic() + self._config.max_wait_seconds
+        while not await self._state("lease", key, holder, self._config.call_timeout):
+            if time.monotonic() > deadline:
+                raise _errors.refusal(409, "another volume of this tenant is being created; "
+                                           "retry")
+            await asyncio.sleep(LEASE_POLL)
+        try:
+            if len(await self.list(tenant)) >= self._config.max_volumes:
+                raise _errors.refusal(429, f"this tenant has {self._config.max_volumes} "
+                                           "volumes, its limit; delete one first")
+            info = await self._blocking(volumes.create_volume, prefix(tenant) + name, nbytes)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._state("unlease", key, holder)
         return _public(info, tenant)
 
     async def delete(self, tenant: str, name: str) -> None:
