@@ -301,3 +301,19 @@ def test_the_books_lease_a_key_to_one_holder_until_it_lets_go_or_expires():
         assert await b.lease("volumes:t", "c", 60)
 
     asyncio.run(run())
+
+
+def test_the_replica_count_is_an_option_of_the_config_and_the_command_line():
+    from typer.testing import CliRunner
+
+    from ray_sandbox.cli import app
+    from ray_sandbox.runtime.errors import ConfigError
+    from ray_sandbox.service import from_env
+
+    env = {"RAY_SANDBOX_API_TOKEN": "a-token-0123456789"}
+    assert from_env(env).num_replicas == 1
+    assert from_env(env, num_replicas=3).num_replicas == 3
+    with pytest.raises(ConfigError):
+        from_env(env, num_replicas=0)
+    refused = CliRunner().invoke(app, ["serve", "--replicas", "0"])
+    assert refused.exit_code == 2 and "replicas" in refused.output
