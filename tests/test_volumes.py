@@ -21,6 +21,7 @@ from ray_sandbox.runtime.errors import (
     ConfigError,
     SandboxCreationError,
     SandboxError,
+    VolumeExistsError,
     VolumeInUseError,
     VolumeNotFoundError,
 )
@@ -328,7 +329,7 @@ def test_export_and_import_copy_a_volume(runtime, volume):
     pieces = [data[i:i + 65536] for i in range(0, len(data), 65536)]
     info = runtime.volumes.import_stream("copy-of-it", pieces)
     assert info.size == runtime.volumes.inspect(volume).size
-    with pytest.raises(ConfigError, match="already exists"):
+    with pytest.raises(VolumeExistsError, match="already exists"):
         runtime.volumes.import_stream("copy-of-it", pieces)
     with pytest.raises(ConfigError, match="ended in the middle"):
         runtime.volumes.import_stream("copy-cut", [data[:-5]])
@@ -357,7 +358,7 @@ def test_store_verbs(runtime):
     vols = runtime.volumes
     vols.create("verbs-a", "16Mi")
     try:
-        with pytest.raises(ConfigError, match="already exists"):
+        with pytest.raises(VolumeExistsError, match="already exists"):
             vols.create("verbs-a", "16Mi")
         with pytest.raises(ConfigError, match="at least"):
             vols.create("verbs-b", "1Mi")

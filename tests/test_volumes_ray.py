@@ -20,7 +20,12 @@ from ray_sandbox.actor.volumes import (
     move_volume,
     volume_node,
 )
-from ray_sandbox.runtime.errors import ConfigError, VolumeInUseError, VolumeNotFoundError
+from ray_sandbox.runtime.errors import (
+    ConfigError,
+    VolumeExistsError,
+    VolumeInUseError,
+    VolumeNotFoundError,
+)
 from tests.fx_ray import homes_cluster
 
 
@@ -45,7 +50,7 @@ def test_sandboxes_go_to_their_volumes_node(tmp_path_factory, default_image, bus
         assert info.node == far and (homes[1] / "volumes" / "ray-ws" / "volume.img").is_file()
         assert not (homes[0] / "volumes" / "ray-ws").exists()
         assert [(v.name, v.node) for v in list_volumes()] == [("ray-ws", far)]
-        with pytest.raises(ConfigError, match="already exists"):
+        with pytest.raises(VolumeExistsError, match="already exists"):
             create_volume("ray-ws", "16Mi", node_id=by_res["vnode0"])
         with pytest.raises(VolumeNotFoundError):
             volume_node(["no-such-volume"])

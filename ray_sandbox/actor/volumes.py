@@ -15,7 +15,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..runtime import SandboxRuntime, archive, paths
-from ..runtime.errors import ConfigError, VolumeNotFoundError
+from ..runtime.errors import ConfigError, VolumeExistsError, VolumeNotFoundError
 from ..runtime.volumes import VolumeInfo, VolumeStore, fill
 from .transfer import fetch, put_chunks
 
@@ -66,7 +66,7 @@ def create_volume(name: str, size: int | str, *, node_id: str | None = None) -> 
     node = node_id or ray.get_runtime_context().get_node_id()
     holders = [v.node for v in list_volumes() if v.name == name]
     if holders:
-        raise ConfigError(f"volume {name!r} already exists on node {holders[0]}")
+        raise VolumeExistsError(f"volume {name!r} already exists on node {holders[0]}")
     info = _relabel(_call(node, "create", name, size), node)
     with _where_lock:
         _where[name] = node
@@ -103,7 +103,7 @@ def copy_volume(name: str, node_id: str, new_name: str) -> VolumeInfo:
     """A copy of the idle volume ``name`` on ``node_id`` as ``new_name``, through the object
     store in ~4 MiB objects (only the image's data extents travel)."""
     if any(v.name == new_name for v in list_volumes()):
-        raise ConfigError(f"volume {new_name!r} already exists")
+        raise VolumeExistsError(f"volume {new_name!r} already exists")
     return _copy(name, node_id, new_name)
 
 

@@ -21,6 +21,7 @@ from ..runtime.errors import (
     ModalError,
     ModalInvalidError,
     ModalNotFoundError,
+    VolumeExistsError,
     VolumeInUseError,
     VolumeNotFoundError,
 )
@@ -55,9 +56,10 @@ class Volume:
         try:
             volumes.create_volume(name, os.environ.get("RAY_SANDBOX_MODAL_VOLUME_SIZE",
                                                        DEFAULT_SIZE))
+        except VolumeExistsError:
+            pass  # made meanwhile by another caller: fine
         except ConfigError as exc:
-            if "already exists" not in exc.message:  # made meanwhile by another caller: fine
-                raise ModalInvalidError(exc.message) from None
+            raise ModalInvalidError(exc.message) from None
         return Volume(name)
 
     @staticmethod

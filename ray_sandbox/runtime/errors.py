@@ -5,6 +5,7 @@
     │                                 CommandTimeoutError, AgentTimeoutError, ImageBusyError
     ├── SandboxExecError              Ray's name: a command could not be run; base of ExecError
     ├── ConfigError (ValueError)      bad configuration or arguments, rejected before any work
+    │   └── VolumeExistsError         a volume of that name exists already
     ├── ToolMissingError              a required binary (runsc, umoci, skopeo, …) is not installed
     ├── CommandError                  an external tool failed; argv, returncode and stderr attached
     │   └── CommandTimeoutError       … or did not finish in time (it was killed)
@@ -23,9 +24,11 @@
     │   ├── CapacityError             no room for it (a node, or the cluster within timeout=)
     │   └── BatchCreateError          some sandboxes of a create_many failed (.errors per index)
     ├── SandboxNotFoundError          unknown or already deleted sandbox id
-    │   └── SnapshotNotFoundError     unknown, deleted or orphaned snapshot id
+    │   ├── SnapshotNotFoundError     unknown, deleted or orphaned snapshot id
+    │   └── VolumeNotFoundError       no volume of that name
     ├── SandboxStateError             operation not allowed in the sandbox's current state
-    │   └── HostRetiringError         the node's Ray host is retiring; a fresh one can serve
+    │   ├── HostRetiringError         the node's Ray host is retiring; a fresh one can serve
+    │   └── VolumeInUseError          the volume is mounted and the operation needs it idle
     ├── SandboxDiedError              the sandbox died during the call (OOM kill, crash)
     │   └── AgentTimeoutError         agent missed a deadline (hung, stopped); also TimeoutError
     ├── AgentProtocolError            the agent broke the wire protocol (broken or replaced)
@@ -99,6 +102,7 @@ __all__ = [
     "ImageInUseError",
     "ImageBusyError",
     "ImageBuildError",
+    "VolumeExistsError",
     "VolumeNotFoundError",
     "VolumeInUseError",
     "HostRetiringError",
@@ -316,6 +320,10 @@ class ImageBuildError(ImageError):
         super().__init__(message, **kw)
         self.step = step
         self.log_tail = log_tail
+
+
+class VolumeExistsError(ConfigError):
+    """A volume of that name exists already (on this node, or through Ray on any)."""
 
 
 class VolumeNotFoundError(SandboxNotFoundError):

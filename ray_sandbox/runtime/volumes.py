@@ -35,6 +35,7 @@ from .errors import (
     ConfigError,
     SandboxCreationError,
     SandboxStateError,
+    VolumeExistsError,
     VolumeInUseError,
     VolumeNotFoundError,
 )
@@ -268,7 +269,7 @@ class VolumeStore:
         gc removes)."""
         with self._locked():
             if self._dir(name).exists():
-                raise ConfigError(f"volume {name!r} already exists on this node")
+                raise VolumeExistsError(f"volume {name!r} already exists on this node")
             tmp = self.root / f".new-{name}"
             shutil.rmtree(tmp, ignore_errors=True)
             try:

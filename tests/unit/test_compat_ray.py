@@ -124,6 +124,7 @@ CAUGHT_BY = {
     "SandboxStateError": {"SandboxError"},
     "HostRetiringError": {"SandboxError"},
     "ImageBuildError": {"SandboxError"},
+    "VolumeExistsError": {"SandboxError"},
     "VolumeNotFoundError": {"SandboxError", "SandboxNotFoundError"},
     "VolumeInUseError": {"SandboxError"},
     "SandboxDiedError": {"SandboxError"},
