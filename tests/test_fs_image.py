@@ -62,12 +62,14 @@ def test_a_sandboxs_files_become_an_image_new_sandboxes_start_from(fs_rt):
 
 def test_a_root_over_the_bound_is_refused_and_leaves_nothing(fs_rt, rt_home):
     rt = fs_rt
-    sid = rt.create(image="ray-sandbox/busybox", memory="64Mi", readonly=False)
+    sid = rt.create(image="ray-sandbox/busybox", memory="64Mi", readonly=False, disk="64Mi")
     try:
         # sparse: costs the sandbox nothing, would cost the host 1 GiB
         assert rt.exec(sid, "dd if=/dev/zero of=/big bs=1 count=0 seek=1G").exit_code == 0
-        with pytest.raises(ImageError, match="over"):
-            rt.snapshot_filesystem(sid, max_bytes=64 << 20)
+        with pytest.raises(ImageError, match="at /big"):  # the bound: image size + disk=
+            rt.snapshot_filesystem(sid)
+        with pytest.raises(ImageError, match="at /big"):
+            rt.snapshot_filesystem(sid, max_bytes=512 << 20)
         assert [p.name for p in (rt_home / fs_image.DIR / "local").iterdir()] == []
     finally:
         rt.delete(sid, wait=True)

@@ -86,8 +86,8 @@ def capture(client: AgentClient, sandbox_id: str, config: ImageConfig, dest: Pat
             raise StoreFullError(f"no room for a filesystem image under {dest.parent}",
                                  sandbox_id=sandbox_id)
     try:
-        layer = _write_blob(blobs, _root_tar(client, sandbox_id, max_entries), max_bytes,
-                            sandbox_id)
+        tar = _root_tar(client, sandbox_id, max_entries, max_bytes)
+        layer = _write_blob(blobs, tar, max_bytes, sandbox_id)
         cfg = _write_json(blobs, _config_json(config, layer[0], sandbox_id))
         manifest = _write_json(blobs, {
             "schemaVersion": 2, "mediaType": _MANIFEST,
@@ -155,12 +155,15 @@ def mount_points(mounts: str) -> set[str]:
     return out
 
 
-def _root_tar(client: AgentClient, sandbox_id: str, max_entries: int) -> Iterator[bytes]:
+def _root_tar(client: AgentClient, sandbox_id: str, max_entries: int,
+              max_bytes: int) -> Iterator[bytes]:
     """The root as a tar stream, mounts left out. Names and sizes come from the sandbox:
-    every name is checked, and a file is cut or padded to the size its entry announced."""
+    every name is checked, a file is cut or padded to the size its entry announced, and the
+    announced sizes are counted before any is read, so a claimed (or sparse) huge file is
+    refused before the host writes it."""
     skip = mount_points(client.read_file("/proc/mounts", max_bytes=1 << 20).decode(
         errors="replace"))
-    count = 0
+    count = announced = 0
     for top in client.list_dir("/"):
         path = "/" + top.name
         if path in skip:
@@ -174,6 +177,11 @@ def _root_tar(client: AgentClient, sandbox_id: str, max_entries: int) -> Iterato
                 raise ImageError(f"over {max_entries} files to snapshot", sandbox_id=sandbox_id)
             if any(info.path == m or info.path.startswith(m + "/") for m in skip):
                 continue
+            announced += tarfile.BLOCKSIZE + (info.size if info.type == FileType.FILE else 0)
+            if announced > max_bytes:
+                raise ImageError(f"the sandbox's files are over {max_bytes} bytes (at "
+                                 f"{info.path}); pass a larger max_bytes to snapshot them",
+                                 sandbox_id=sandbox_id)
             yield from _member(client, info, sandbox_id)
     yield archive.end_blocks()
 

@@ -439,15 +439,20 @@ class SandboxRuntime:
     # --- status ----------------------------------------------------------------------------
 
     def snapshot_filesystem(self, sandbox_id: str, *, scope: str = "local",
-                            max_bytes: int = fs_image.MAX_BYTES) -> Image:
+                            max_bytes: int | None = None) -> Image:
         """The sandbox's files (its root; mounts, devices and xattrs left out) as an image
         in this node's store: create sandboxes with ``image=<it>.ref``. Processes and memory
-        are not kept (that is :meth:`snapshot`). ``scope`` names the node (Ray's node id)."""
+        are not kept (that is :meth:`snapshot`). ``max_bytes`` defaults to the image's size
+        plus the sandbox's ``disk=`` (16 GiB without one); ``scope`` names the node (Ray's
+        node id)."""
         rec = self.records.get(sandbox_id)
+        base = self.images.inspect(rec.image_digest)
+        if max_bytes is None:
+            disk = rec.sandbox_config.disk
+            max_bytes = fs_image.MAX_BYTES if disk is None else base.size_bytes + disk
         dest = fs_image.layout(scope, uuid.uuid4().hex, self.home)
         dest.parent.mkdir(parents=True, exist_ok=True)
-        ref = fs_image.capture(self._client(sandbox_id), sandbox_id,
-                               self.images.inspect(rec.image_digest).config, dest,
+        ref = fs_image.capture(self._client(sandbox_id), sandbox_id, base.config, dest,
                                max_bytes=max_bytes)
         try:
             return self.images.get(ref)
