@@ -49,6 +49,7 @@ ID_RE = re.compile(r"^[0-9a-f]{32}$")
 class Exec:
     exec_id: str
     future: asyncio.Future[ExecResult]
+    reported: asyncio.Task[Any] | None = None  # its result on its way to the books
 
 
 @dataclass(eq=False)
@@ -104,10 +105,11 @@ class Sandboxes:
     async def _blocking(self, fn: Any, *args: Any) -> Any:
         return await anyio.to_thread.run_sync(fn, *args, limiter=self._threads)
 
-    def _report(self, method: str, *args: Any) -> None:
+    def _report(self, method: str, *args: Any) -> asyncio.Task[Any]:
         task = asyncio.ensure_future(self._state(method, *args))
         self._reports.add(task)
         task.add_done_callback(self._reported)
+        return task
 
     def _reported(self, task: asyncio.Task[Any]) -> None:
         self._reports.discard(task)
@@ -265,9 +267,9 @@ class Sandboxes:
             raise _errors.refusal(429, reason)
 
     async def _create(self, entry: Entry, options: dict[str, Any]) -> None:
-        error = None
+        error, handle = None, None
         try:
-            entry.handle = await self._blocking(self._create_blocking, entry.api_id, options)
+            handle = await self._blocking(self._create_blocking, entry.api_id, options)
         except SandboxError as exc:
             error = f"{_errors.code_of(exc)}: {exc.message}"
         except Exception as exc:  # a host or Ray failure: the entry must not stay pending
@@ -280,6 +282,9 @@ class Sandboxes:
             deleted = await self._state("created", entry.api_id, error)
         except _errors.HTTPException:  # its record expires; a reconcile counts the sandbox
             deleted = False
+        # running here only once the books say so too: no replica answers running before
+        # another stops answering pending
+        entry.handle = handle
         if entry.handle is not None and (entry.deleted or deleted):
             entry.deleted = True  # deleted while it was being made
             try:
@@ -457,8 +462,8 @@ class Sandboxes:
             future = asyncio.wrap_future(entry.handle.exec.remote(command, **kw).future())
         ex = Exec(exec_id, future)
         ex.future.add_done_callback(_consume)
-        ex.future.add_done_callback(lambda _: self._report(
-            "exec_finished", entry.api_id, ex.exec_id, exec_info(ex).model_dump(mode="json")))
+        ex.future.add_done_callback(lambda _: setattr(ex, "reported", self._report(
+            "exec_finished", entry.api_id, ex.exec_id, exec_info(ex).model_dump(mode="json"))))
         entry.execs[ex.exec_id] = ex
         return ex
 
@@ -482,6 +487,9 @@ class Sandboxes:
         if ex is not None:
             if not ex.future.done() and wait > 0:
                 await asyncio.wait([ex.future], timeout=wait)
+            if ex.reported is not None and not ex.reported.done():
+                # finished here only once the books say so too, as with a create
+                await asyncio.wait([ex.reported], timeout=self._config.state_timeout)
             return exec_info(ex)
         found = await self._state("exec_record", entry.tenant, entry.api_id, exec_id, wait,
                                   wait=wait)
