@@ -99,9 +99,6 @@ class Books:
         self._tombstones: OrderedDict[str, None] = OrderedDict()
         self._leases: dict[str, tuple[str, float]] = {}  # key -> holder, until
 
-    async def ping(self) -> bool:
-        return True
-
     # --- creates and the quota ---------------------------------------------------------------
 
     async def admit(self, tenant: str, quota: dict[str, Any], keys: list[str], cpu: float,
