@@ -344,10 +344,19 @@ class Sandboxes:
             return
         wait = self._config.max_wait_seconds
         # the replica making it ends it once made; waiting (bounded) lets the caller see it
-        # gone
-        if await self._state("delete_create", tenant, api_id, wait, wait=wait) == "pending" \
-                and entry.creating is not None:
+        # gone and its charge given back
+        if await self._state("delete_create", tenant, api_id, wait, wait=wait) != "pending":
+            return
+        if entry.creating is not None:
             await asyncio.wait([entry.creating], timeout=wait)
+            return
+        # another replica's, made meanwhile: ended here too (terminate is idempotent), so
+        # the quota is free when this answers
+        found = [h for h in await self._blocking(actor.list, {TENANT_LABEL: tenant})
+                 if api_id in (h.name, h.sandbox_id)]
+        made = await self._adopt_one(found[0]) if found else None
+        if made is not None and made.tenant == tenant:
+            await self._terminate(made)
 
     async def _terminate(self, entry: Entry) -> None:
         try:
