@@ -296,7 +296,7 @@ def build_app(config: ServiceConfig, state: Shared | None = None) -> Any:
                          path: str) -> Response:
         """The sandbox's published port, for whoever holds a valid URL (no bearer)."""
         claims = _ports.claims_for(config, sandbox_id, port, token)
-        entry = await sandboxes.running(claims["tenant"], sandbox_id)
+        entry = await sandboxes.alive(claims["tenant"], sandbox_id)
         return await proxy.forward(request, entry, port, path)
 
     def copies(body: Copies) -> int:

@@ -217,6 +217,20 @@ class Sandboxes:
             raise _errors.refusal(409, message)
         return entry
 
+    async def alive(self, tenant: str, api_id: str) -> Entry:
+        """``running``, and asked of its host now: a port of a sandbox that ended (deleted
+        through another replica, whose handle this one still holds, or by its TTL) may be
+        published by another sandbox meanwhile, and must not be reached through its URL."""
+        entry = await self.running(tenant, api_id)
+        try:
+            state = (await self.call(entry.handle.status.remote())).state
+        except SandboxNotFoundError:
+            state = SandboxState.TERMINATED
+        if state == SandboxState.TERMINATED:
+            self._entries.pop(api_id, None)
+            raise _errors.refusal(404, f"no sandbox {api_id!r}")
+        return entry
+
     # --- create, status, list, delete ------------------------------------------------------
 
     async def create(self, tenant: str, options: dict[str, Any]) -> Entry:
@@ -446,8 +460,8 @@ class Sandboxes:
 
     async def start_exec(self, entry: Entry, command: list[str] | str, **kw: Any) -> Exec:
         """Start a command; its result is kept among the sandbox's last
-        ``max_execs_per_sandbox`` (the oldest finished one is evicted, never a running one),
-        here and in the books, where every replica finds it."""
+        ``max_execs_per_sandbox`` in the books (the oldest finished one is evicted, never a
+        running one), where every replica finds it; this replica keeps it until then."""
         if len(entry.execs) >= self._config.max_execs_per_sandbox:
             done = next((k for k, x in entry.execs.items() if x.future.done()), None)
             if done is None:
@@ -471,10 +485,21 @@ class Sandboxes:
             future = asyncio.wrap_future(entry.handle.exec.remote(command, **kw).future())
         ex = Exec(exec_id, future)
         ex.future.add_done_callback(_consume)
-        ex.future.add_done_callback(lambda _: setattr(ex, "reported", self._report(
-            "exec_finished", entry.api_id, ex.exec_id, exec_info(ex).model_dump(mode="json"))))
+        ex.future.add_done_callback(partial(self._finished, entry, ex))
         entry.execs[ex.exec_id] = ex
         return ex
+
+    def _finished(self, entry: Entry, ex: Exec, _: asyncio.Future[ExecResult]) -> None:
+        """Its result goes to the books; once there, they answer for it (this replica
+        forgets it), so an eviction there holds for every replica."""
+        ex.reported = self._report("exec_finished", entry.api_id, ex.exec_id,
+                                   exec_info(ex).model_dump(mode="json"))
+
+        def forget(task: asyncio.Task[Any]) -> None:
+            if not task.cancelled() and task.exception() is None:
+                entry.execs.pop(ex.exec_id, None)
+
+        ex.reported.add_done_callback(forget)
 
     async def _run_direct(self, handle: Any, command: list[str] | str,
                           kw: dict[str, Any]) -> ExecResult:
@@ -490,7 +515,8 @@ class Sandboxes:
         self._direct -= 1
 
     async def exec_info(self, entry: Entry, exec_id: str, wait: float = 0.0) -> ExecInfo:
-        """From this replica's own future if it runs the exec, else from the books."""
+        """From this replica's own future while it runs the exec (and until the books have
+        its result), else from the books."""
         wait = min(wait, self._config.max_wait_seconds)
         ex = entry.execs.get(exec_id)
         if ex is not None:
