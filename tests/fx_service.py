@@ -4,6 +4,7 @@ shut down and every sandbox it made deleted at teardown."""
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -46,7 +47,7 @@ def service(request, ray_cluster, tmp_path_factory) -> Iterator[Service]:
     audit = tmp_path_factory.mktemp("service") / "audit.log"
     tokens = ",".join(f"{t}={v}" for t, v in TOKENS.items())
     quotas = getattr(request.module, "SERVICE_QUOTAS", (BOB_QUOTA,))
-    replicas = getattr(request.module, "SERVICE_REPLICAS", 1)
+    replicas = getattr(request.module, "SERVICE_REPLICAS", replicas_default())
     config = svc.from_env({"RAY_SANDBOX_API_TOKENS": tokens}, quotas=quotas, audit_log=audit,
                           num_replicas=replicas, **LIMITS)
     url = svc.start(config, "127.0.0.1", free_port())
@@ -73,6 +74,12 @@ def wait_healthy(url: str, alive: Callable[[], object] = lambda: None,
         alive()
         assert time.monotonic() < deadline, f"the service did not come up in {limit:g} s"
         time.sleep(0.2)
+
+
+def replicas_default() -> int:
+    """Replicas of a module's service unless it says: RAY_SANDBOX_TEST_SERVICE_REPLICAS=2
+    runs the contract tests against two (docs/service.md, "Multiple replicas")."""
+    return int(os.environ.get("RAY_SANDBOX_TEST_SERVICE_REPLICAS", "1"))
 
 
 def replica_actors() -> list[dict]:

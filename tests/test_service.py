@@ -12,7 +12,15 @@ import httpx
 import pytest
 
 from ray_sandbox.runtime.config import SandboxConfig
-from tests.fx_service import TOKENS, Service, free_port, wait_exec, wait_running
+from tests.fx_service import (
+    TOKENS,
+    Service,
+    free_port,
+    replica_actors,
+    replicas_default,
+    wait_exec,
+    wait_running,
+)
 
 BUSYBOX = "ray-sandbox/busybox"
 
@@ -543,15 +551,14 @@ def test_snapshot_restore_and_fork_make_sandboxes_of_the_tenant(service: Service
 
 
 def test_a_restarted_replica_adopts_the_sandboxes_made_before(service: Service):
-    """Last in the module: it kills the replica (Serve starts another)."""
+    """Last in the module: it kills a replica (Serve starts another)."""
     import ray
 
     with service.client() as c, service.client("bob") as bob:
         sid = create(c, labels={"suite": "adopt"})
         assert wait_running(c, sid)["status"] == "running"
-        replicas = [a for a in ray.util.list_named_actors(all_namespaces=True)
-                    if a["name"].startswith("SERVE_REPLICA::") and "SandboxService" in a["name"]]
-        assert len(replicas) == 1, replicas
+        replicas = replica_actors()
+        assert len(replicas) == replicas_default(), replicas
         ray.kill(ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"]))
         for _ in range(240):  # the proxy answers 5xx or refuses until the new replica is up
             try:
