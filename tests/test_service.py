@@ -633,3 +633,52 @@ def test_tenants_have_their_own_volumes(service: Service):
             assert c.delete("/volumes/ws").status_code == 200
             assert c.delete("/volumes/ws").status_code == 200  # idempotent
             assert c.get("/volumes").json() == {"volumes": []}
+
+
+def test_a_tenant_cannot_name_an_image_by_a_host_path(service: Service):
+    """``oci:``, ``oci-archive:``, ``docker-archive:`` and ``dir:`` read files of the node as
+    root: another tenant's build cache or filesystem images, an operator's layouts. A tenant
+    names registry images and the node's built ones (``ray-sandbox/…``) only."""
+    from ray_sandbox.runtime import ImageStore
+
+    layout = ImageStore().inspect(BUSYBOX).rootfs.parent / "oci"
+    assert layout.is_dir()  # a real layout: on the previous main this create ran
+    with service.client("bob") as c:
+        before = c.get("/sandboxes").json()["sandboxes"]
+        for image in (f"oci:{layout}:image", f"oci-archive:{layout}/index.json",
+                      "docker-archive:/etc/passwd", f"dir:{layout}"):
+            msg = error(c.post("/sandboxes", json={"image": image, "memory": "64Mi"}), 400)
+            assert "host" in msg, msg
+        assert c.get("/sandboxes").json()["sandboxes"] == before
+
+
+def test_a_sandbox_reaches_a_linked_port_of_another_of_its_tenant(service: Service):
+    with service.client() as c, service.client("bob") as bob:
+        opts = {"network": "sandbox"}
+        server, client = create(c, **opts), create(c, **opts)
+        strangers = create(bob, **opts)
+        for sid in (server, client, strangers):
+            wait_running(c if sid != strangers else bob, sid)
+        r = c.post(f"/sandboxes/{server}/execs", json={
+            "command": "nc -ll -p 8080 -e echo hello </dev/null >/dev/null 2>&1 &"})
+        wait_exec(c, server, r.json()["exec_id"])
+        # another tenant's sandbox, on either side, is not found
+        error(c.post(f"/sandboxes/{client}/links", json={"to": strangers, "port": 8080}), 404)
+        error(bob.post(f"/sandboxes/{strangers}/links", json={"to": server, "port": 8080}), 404)
+        error(c.post(f"/sandboxes/{client}/links", json={"to": server, "port": 0}), 400,
+              "invalid_request")
+        link = c.post(f"/sandboxes/{client}/links", json={"to": server, "port": 8080})
+        assert link.status_code == 200, link.text
+        assert link.json()["to"] == server and link.json()["port"] == 8080
+
+        def hello() -> str:
+            got = c.post(f"/sandboxes/{client}/execs", json={
+                "command": f"nc -w 3 {link.json()['host']} 8080 </dev/null"})
+            return wait_exec(c, client, got.json()["exec_id"])["stdout"]
+
+        assert hello() == "hello\n"
+        assert c.delete(f"/sandboxes/{client}/links/{server}/8080").status_code == 200
+        assert hello() == ""
+        for sid in (server, client):
+            c.delete(f"/sandboxes/{sid}")
+        bob.delete(f"/sandboxes/{strangers}")

@@ -23,11 +23,13 @@ from ._models import (
     Copies,
     Created,
     CreateExec,
+    CreateLink,
     CreateSandbox,
     CreateVolume,
     Deleted,
     ExecCreated,
     ExecInfo,
+    LinkInfo,
     PortUrl,
     SandboxInfo,
     SandboxList,
@@ -298,6 +300,18 @@ def build_app(config: ServiceConfig, state: Shared | None = None) -> Any:
         claims = _ports.claims_for(config, sandbox_id, port, token)
         entry = await sandboxes.alive(claims["tenant"], sandbox_id)
         return await proxy.forward(request, entry, port, path)
+
+    @app.post(f"{PREFIX}/sandboxes/{{sandbox_id}}/links")
+    async def link(request: Request, sandbox_id: str, body: CreateLink) -> LinkInfo:
+        """Let this sandbox reach one port of another of the tenant's (docs/network.md)."""
+        entry = await sandboxes.running(tenant(request), sandbox_id)
+        return await sandboxes.link(entry, body.to, body.port)
+
+    @app.delete(f"{PREFIX}/sandboxes/{{sandbox_id}}/links/{{to}}/{{port}}")
+    async def unlink(request: Request, sandbox_id: str, to: str, port: int) -> dict[str, str]:
+        entry = await sandboxes.running(tenant(request), sandbox_id)
+        await sandboxes.unlink(entry, to, port)
+        return {"to": to, "status": "unlinked"}
 
     def copies(body: Copies) -> int:
         if body.count > config.max_copies:

@@ -69,6 +69,8 @@ class ServiceConfig(BaseModel):
                                    description="signs port URLs (RAY_SANDBOX_API_SIGNING_KEY)")
     max_port_url_seconds: float = Field(3600.0, gt=0, description="longest port URL life")
     allow_host_network: bool = Field(False, description="network='host' shares the node's")
+    allow_host_images: bool = Field(False, description="images named by a path of the node "
+                                    "(oci:, oci-archive:, docker-archive:, dir:)")
 
     @field_validator("tokens")
     @classmethod

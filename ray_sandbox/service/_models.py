@@ -86,6 +86,24 @@ class Signal(BaseModel):
     signal: int = Field(ge=1, le=64)
 
 
+class CreateLink(BaseModel):
+    """``POST .../links``: let this sandbox reach ``port`` of the tenant's sandbox ``to``
+    (both ``network="sandbox"``, on one node)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    to: str
+    port: int = Field(gt=0, lt=65536)
+
+
+class LinkInfo(BaseModel):
+    """Where the linking sandbox connects: ``host:port``."""
+
+    to: str
+    host: str
+    port: int
+
+
 class PortUrl(BaseModel):
     """``POST .../ports/{port}/url``: how long the URL stays valid (capped)."""
 

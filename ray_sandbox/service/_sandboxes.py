@@ -23,14 +23,16 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
+from fastapi import HTTPException
 
 from .. import actor
 from ..runtime.config import SandboxConfig
-from ..runtime.errors import SandboxError, SandboxNotFoundError
+from ..runtime.errors import ImageReferenceError, SandboxError, SandboxNotFoundError
+from ..runtime.images import parse_reference
 from ..runtime.results import ExecResult, SandboxState
 from . import _errors, _pty, _streams
 from ._config import ServiceConfig
-from ._models import ExecInfo, SandboxInfo
+from ._models import ExecInfo, LinkInfo, SandboxInfo
 from ._quota import Charge, charge
 from ._state import Shared
 from ._volumes import TenantVolumes
@@ -242,6 +244,15 @@ class Sandboxes:
                                        "reserved")
         if options.get("network") == "host" and not self._config.allow_host_network:
             raise _errors.refusal(400, "network='host' is not allowed by this service")
+        image = options.get("image")
+        if isinstance(image, str) and not self._config.allow_host_images:
+            try:
+                from_host = parse_reference(image).reads_host_files
+            except ImageReferenceError:
+                from_host = False  # the create reports it, as for any bad reference
+            if from_host:  # another tenant's build cache, filesystem images, any layout
+                raise _errors.refusal(400, f"image {image!r} names files of the host; "
+                                           "use a registry image or a ray-sandbox/ image")
         if options.get("volumes"):  # the tenant's own, by the names it gave them
             options = {**options,
                        "volumes": await self.volumes.mounts(tenant, options["volumes"])}
@@ -392,6 +403,30 @@ class Sandboxes:
             await asyncio.wait([*pending, *self._reports], timeout=self._config.call_timeout)
 
     # --- snapshots and copies -------------------------------------------------------------
+
+    async def link(self, entry: Entry, to_api_id: str, port: int) -> LinkInfo:
+        """Let ``entry`` open TCP connections to ``port`` of the same tenant's ``to``; any
+        other tenant's sandbox is 404, as everywhere."""
+        to = await self.running(entry.tenant, to_api_id)
+        try:  # a handle found by its labels may not know its node: the host tells
+            got = await self.call(entry.handle.link.remote(to.handle.sandbox_id, port))
+        except SandboxNotFoundError as exc:
+            if exc.sandbox_id != to.handle.sandbox_id:
+                raise
+            raise _errors.refusal(409, f"{to_api_id} runs on another node; links join "
+                                       "sandboxes of one node") from None
+        return LinkInfo(to=to_api_id, host=got.host, port=got.port)
+
+    async def unlink(self, entry: Entry, to_api_id: str, port: int) -> None:
+        """Close a link (idempotent). A peer that is gone needs none: the link names its
+        veth, which no later sandbox gets, and is dropped when room is needed."""
+        try:
+            to = await self.running(entry.tenant, to_api_id)
+        except HTTPException as exc:
+            if exc.status_code == 404:
+                return
+            raise
+        await self.call(entry.handle.unlink.remote(to.handle, port))
 
     async def snapshot(self, entry: Entry) -> str:
         """Snapshot a running sandbox (it keeps running); the tenant's snapshots are bounded."""

@@ -65,6 +65,12 @@ class ImageRef(BaseModel):
         return f"{self.transport.value}:{self.path}{inner}"
 
     @property
+    def reads_host_files(self) -> bool:
+        """An image read from a path of the node (``oci:``, ``oci-archive:``,
+        ``docker-archive:``, ``dir:``): whoever names it chooses what the node reads."""
+        return self.transport in _FILE_TRANSPORTS
+
+    @property
     def source(self) -> str:
         """The skopeo source name; a digest wins over a tag (skopeo refuses both)."""
         if self.transport is Transport.DOCKER and self.digest:
