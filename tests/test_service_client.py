@@ -54,6 +54,28 @@ def test_sync_client_mirrors_the_handle_and_cleans_up(service: Service):
             c.get(sb.sandbox_id)
 
 
+def test_clients_link_one_sandbox_to_a_port_of_another(service: Service):
+    with SandboxClient(service.url, TOKENS["alice"]) as c:
+        server, client = (c.create(**SMALL, network="sandbox") for _ in range(2))
+        server.exec("nc -ll -p 8080 -e echo hi </dev/null >/dev/null 2>&1 &")
+        link = client.link(server, 8080)
+        assert (link.to, link.port) == (server.sandbox_id, 8080)
+        assert client.exec(f"nc -w 3 {link.host} 8080 </dev/null").stdout == "hi\n"
+        client.unlink(server.sandbox_id, 8080)
+        assert client.exec(f"nc -w 3 {link.host} 8080 </dev/null").stdout == ""
+
+    async def main() -> str:
+        async with AsyncSandboxClient(service.url, TOKENS["alice"]) as a:
+            server, client = [await a.create(**SMALL, network="sandbox") for _ in range(2)]
+            await server.exec("nc -ll -p 8080 -e echo hi </dev/null >/dev/null 2>&1 &")
+            link = await client.link(server, 8080)
+            out = (await client.exec(f"nc -w 3 {link.host} 8080 </dev/null")).stdout
+            await client.unlink(server, 8080)
+            return out
+
+    assert anyio.run(main) == "hi\n"
+
+
 def test_client_streams_output_and_moves_directories(service: Service, tmp_path):
     src = tmp_path / "src"
     (src / "d").mkdir(parents=True)

@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 
-from ..runtime.results import ExecResult, OutputChunk
+from ..runtime.results import ExecResult, OutputChunk, SandboxLink
 from . import _ops
 
 
@@ -87,6 +87,20 @@ class AsyncSandbox:
         r = await self._client._run(_ops.one("POST", self._path("/fork"), self.sandbox_id,
                                         json={"count": k}, timeout=660))
         return self._client._adopt(r.json()["sandboxes"])
+
+    async def link(self, other: AsyncSandbox | str, port: int) -> SandboxLink:
+        """Let this sandbox open TCP connections to ``port`` of ``other`` (the tenant's,
+        both ``network="sandbox"`` on one node); connect to the answer's ``host:port``."""
+        to = other.sandbox_id if isinstance(other, AsyncSandbox) else other
+        r = await self._client._run(_ops.one("POST", self._path("/links"), self.sandbox_id,
+                                        json={"to": to, "port": port}))
+        return SandboxLink.model_validate(r.json())
+
+    async def unlink(self, other: AsyncSandbox | str, port: int) -> None:
+        """Close a link; its connections are cut (idempotent)."""
+        to = other.sandbox_id if isinstance(other, AsyncSandbox) else other
+        await self._client._run(_ops.one("DELETE", self._path(f"/links/{to}/{port}"),
+                                    self.sandbox_id))
 
     async def terminate(self) -> None:
         await self._client._run(_ops.one("DELETE", self._path(), self.sandbox_id))

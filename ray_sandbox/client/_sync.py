@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 
-from ..runtime.results import ExecResult, OutputChunk
+from ..runtime.results import ExecResult, OutputChunk, SandboxLink
 from . import _ops
 
 
@@ -83,6 +83,20 @@ class Sandbox:
         r = self._client._run(_ops.one("POST", self._path("/fork"), self.sandbox_id,
                                         json={"count": k}, timeout=660))
         return self._client._adopt(r.json()["sandboxes"])
+
+    def link(self, other: Sandbox | str, port: int) -> SandboxLink:
+        """Let this sandbox open TCP connections to ``port`` of ``other`` (the tenant's,
+        both ``network="sandbox"`` on one node); connect to the answer's ``host:port``."""
+        to = other.sandbox_id if isinstance(other, Sandbox) else other
+        r = self._client._run(_ops.one("POST", self._path("/links"), self.sandbox_id,
+                                        json={"to": to, "port": port}))
+        return SandboxLink.model_validate(r.json())
+
+    def unlink(self, other: Sandbox | str, port: int) -> None:
+        """Close a link; its connections are cut (idempotent)."""
+        to = other.sandbox_id if isinstance(other, Sandbox) else other
+        self._client._run(_ops.one("DELETE", self._path(f"/links/{to}/{port}"),
+                                    self.sandbox_id))
 
     def terminate(self) -> None:
         """Delete the sandbox (idempotent)."""
