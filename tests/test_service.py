@@ -457,6 +457,42 @@ def test_a_published_port_is_reached_with_a_signed_expiring_url(service: Service
         error(httpx.get(signed["url"]), 404)  # its sandbox is gone
 
 
+def test_a_modal_encrypted_port_is_a_signed_url_of_the_service(service: Service, monkeypatch):
+    from ray import serve
+
+    import ray_sandbox.modal as modal
+    from ray_sandbox.runtime.errors import ConfigError
+
+    monkeypatch.setenv("RAY_SANDBOX_SERVICE_APP", "ray-sandbox")
+    port = free_port()
+    web = modal.Sandbox.create(image=modal.Image.from_registry(BUSYBOX), memory=64,
+                               encrypted_ports=[port])
+    try:
+        assert web.exec("sh", "-c", "mkdir /srv && echo -n from-modal >/srv/index.html && "
+                        f"httpd -p {port} -h /srv").wait() == 0
+        tunnel = web.tunnels()[port]
+        token = tunnel.url.split("/")[-2]
+        assert tunnel.url == f"{service.url}/ports/{web.object_id}/{port}/{token}/"
+        assert (f"http://{tunnel.host}:{tunnel.port}/api/v1", tunnel.expires_at > time.time()) \
+            == (service.url, True)
+        r = _get_when_up(tunnel.url + "index.html")  # no bearer token: the URL is the grant
+        assert (r.status_code, r.text) == (200, "from-modal")
+        with pytest.raises(modal.exception.InvalidError, match="unencrypted"):
+            tunnel.tcp_socket  # noqa: B018 - the property raises
+        with pytest.raises(NotImplementedError, match="TLS"):
+            tunnel.tls_socket  # noqa: B018
+        # scoped to its port; and no tenant owns the sandbox, so no tenant gets a URL for it
+        error(httpx.get(f"{service.url}/ports/{web.object_id}/{port + 1}/{token}/"), 401)
+        with service.client() as c:
+            error(c.post(f"/sandboxes/{web.object_id}/ports/{port}/url", json={}), 404)
+        # only Ray callers sign for sandboxes made through Ray, and only published ports
+        with pytest.raises(ConfigError, match="not published"):
+            serve.get_app_handle("ray-sandbox").port_url.remote(web._handle, 9).result()
+    finally:
+        web.terminate()
+    error(httpx.get(tunnel.url + "index.html"), 404)  # its sandbox is gone
+
+
 def _read_until(ws, needle: bytes, limit: int = 200) -> bytes:
     """Output frames until ``needle`` appears (each recv bounded by its timeout)."""
     out = b""

@@ -34,6 +34,9 @@ def serve(
     replicas: Annotated[int, typer.Option(
         min=1, help="Serve replicas; more than one share their books through a state actor")
     ] = 1,
+    public_url: Annotated[str | None, typer.Option(
+        help="where clients reach the service, for port URLs (also RAY_SANDBOX_API_PUBLIC_URL;"
+             " default http://HOST:PORT)")] = None,
 ) -> None:
     """Serve sandboxes over HTTP (/api/v1) on Ray Serve. Tokens: RAY_SANDBOX_API_TOKEN (one
     tenant), RAY_SANDBOX_API_TOKENS=tenant=token,... or --tokens-file."""
@@ -46,7 +49,8 @@ def serve(
                   "pip install 'ray_sandbox[service]'")
         raise typer.Exit(2) from None
     settings = {k: v for k, v in {"max_file_bytes": max_file_bytes, "audit_log": audit_log,
-                                  "num_replicas": replicas}.items() if v is not None}
+                                  "num_replicas": replicas, "public_url": public_url}.items()
+                if v is not None}
     try:
         config = from_env(tokens_file=tokens_file, quotas=tuple(quota), **settings)
     except ConfigError as exc:

@@ -10,7 +10,8 @@ from ..runtime.config import EgressPolicy
 from ..runtime.errors import ModalInvalidError
 
 APP_LABEL = "modal.app"  # the App a sandbox was created for: Sandbox.list(app_id=) filters it
-PORTS_LABEL = "modal.ports"  # its published ports, for tunnels() on any handle of it
+PORTS_LABEL = "modal.ports"  # its unencrypted ports, for tunnels() on any handle of it
+ENCRYPTED_LABEL = "modal.encrypted_ports"  # ... and its encrypted ones (through the service)
 DEFAULT_IMAGE = "ray-sandbox/python"  # Modal's default image is a Debian with Python
 
 # Modal's create() arguments that need what this backend does not have (docs/compat.md):
@@ -20,8 +21,7 @@ UNSUPPORTED = {
     "cloud": "cloud (placement is Ray's)", "region": "region (placement is Ray's)",
     "network_file_systems": "network_file_systems",
     "pty": "pty on create", "pty_info": "pty_info",
-    "encrypted_ports": "TLS tunnels (encrypted_ports; unencrypted_ports work node-locally)",
-    "h2_ports": "TLS tunnels (h2_ports)", "custom_domain": "custom_domain",
+    "h2_ports": "HTTP/2 tunnels (h2_ports)", "custom_domain": "custom_domain",
     "proxy": "proxy", "inbound_cidr_allowlist": "inbound_cidr_allowlist",
     "readiness_probe": "readiness_probe",
     "include_oidc_identity_token": "include_oidc_identity_token",
@@ -52,6 +52,7 @@ def create_options(
     timeout: float | None, workdir: str | None, cpu: Any, memory: Any,
     block_network: bool, cidr_allowlist: Sequence[str] | None,
     outbound_domain_allowlist: Sequence[str] | None, unencrypted_ports: Sequence[int] = (),
+    encrypted_ports: Sequence[int] = (),
     volumes: Mapping[str, Any] | None = None, idle_timeout: float | None = None,
     others: Mapping[str, Any],
 ) -> dict[str, Any]:
@@ -72,7 +73,9 @@ def create_options(
         "env": merged,
         "labels": {**(tags or {}), **({APP_LABEL: app} if app else {}),
                    **({PORTS_LABEL: ",".join(map(str, unencrypted_ports))}
-                      if unencrypted_ports else {})},
+                      if unencrypted_ports else {}),
+                   **({ENCRYPTED_LABEL: ",".join(map(str, encrypted_ports))}
+                      if encrypted_ports else {})},
         # Modal's sandboxes reach the internet unless blocked: ours through network
         # "public" (private and metadata addresses stay denied, docs/network.md)
         "network": "none" if block_network else "public",
@@ -82,8 +85,8 @@ def create_options(
         out["egress"] = EgressPolicy(allow_cidrs=tuple(cidr_allowlist or ()),
                                      allow_domains=tuple(outbound_domain_allowlist or ()),
                                      default="deny")
-    if unencrypted_ports:
-        out["expose_ports"] = tuple(unencrypted_ports)  # on the sandbox's node (tunnels())
+    if unencrypted_ports or encrypted_ports:  # on the sandbox's node (tunnels())
+        out["expose_ports"] = tuple(dict.fromkeys([*unencrypted_ports, *encrypted_ports]))
     if idle_timeout is not None:
         out["idle_timeout_seconds"] = idle_timeout
     if volumes:  # path -> modal.Volume (or its name): our named volumes, placed on their node

@@ -6,6 +6,7 @@ terminated."""
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
@@ -25,10 +26,10 @@ from ..runtime.errors import (
 from ..runtime.records import parse_id
 from ..runtime.results import SandboxState
 from ._aio import aiter_in_thread, dual, static
-from ._options import APP_LABEL, PORTS_LABEL, create_options, refuse
+from ._options import APP_LABEL, ENCRYPTED_LABEL, PORTS_LABEL, create_options, refuse
 from .app import App, Image, Secret
 from .io import ContainerProcess, FileIO, Process, StreamReader, StreamType, StreamWriter
-from .tunnel import Tunnel, node_address
+from .tunnel import Tunnel, node_address, require_service
 from .volume import Volume
 
 TIMEOUT_EXIT = 124  # Modal's return code of a sandbox whose timeout ran out
@@ -72,17 +73,20 @@ class Sandbox:
         timeout: float = 300, workdir: str | None = None, cpu: Any = None, memory: Any = None,
         block_network: bool = False, cidr_allowlist: Sequence[str] | None = None,
         outbound_domain_allowlist: Sequence[str] | None = None,
-        unencrypted_ports: Sequence[int] = (), volumes: Mapping[str, Volume] | None = None,
+        unencrypted_ports: Sequence[int] = (), encrypted_ports: Sequence[int] = (),
+        volumes: Mapping[str, Volume] | None = None,
         idle_timeout: float | None = None, verbose: bool = False, **others: Any,
     ) -> Sandbox:
         """Create a sandbox; with ``args`` it runs that command and ends when it exits."""
+        require_service(encrypted_ports)
         handle = actor.create(**create_options(
             image=image.ref if image is not None else None, app=app.app_id if app else None,
             name=name, tags=tags, env=env, secrets_env=[s.env for s in secrets or ()],
             timeout=timeout, workdir=workdir, cpu=cpu, memory=memory,
             block_network=block_network, cidr_allowlist=cidr_allowlist,
             outbound_domain_allowlist=outbound_domain_allowlist,
-            unencrypted_ports=unencrypted_ports, volumes=volumes, idle_timeout=idle_timeout,
+            unencrypted_ports=unencrypted_ports, encrypted_ports=encrypted_ports,
+            volumes=volumes, idle_timeout=idle_timeout,
             others=others))
         entrypoint = None
         if args:
@@ -259,14 +263,23 @@ class Sandbox:
     def get_tags(self) -> dict[str, str]:
         """The ``tags=`` it was created with."""
         return {k: v for k, v in self._labels().items()
-                if k not in (APP_LABEL, PORTS_LABEL) and "/" not in k}
+                if k not in (APP_LABEL, PORTS_LABEL, ENCRYPTED_LABEL) and "/" not in k}
 
     @dual
-    def tunnels(self, timeout: int = 50) -> dict[int, Tunnel]:  # noqa: ARG002 - no wait
-        """Its ``unencrypted_ports``, published on its node (docs/compat.md, "tunnels")."""
-        ports = self._labels().get(PORTS_LABEL)
-        host = node_address(self._handle.node_id)
-        return {p: Tunnel(host, p) for p in map(int, ports.split(","))} if ports else {}
+    def tunnels(self, timeout: int = 50) -> dict[int, Tunnel]:
+        """Its ``unencrypted_ports``, published on its node, and its ``encrypted_ports``, as
+        signed URLs of the service (docs/compat.md, "tunnels")."""
+        labels = self._labels()
+        out: dict[int, Tunnel] = {}
+        if labels.get(PORTS_LABEL):
+            host = node_address(self._handle.node_id)
+            out.update({p: Tunnel.node_local(host, p)
+                        for p in map(int, labels[PORTS_LABEL].split(","))})
+        for p in map(int, filter(None, labels.get(ENCRYPTED_LABEL, "").split(","))):
+            signed, local = Tunnel.through_service(self._handle, p, timeout), out.get(p)
+            out[p] = signed if local is None else dataclasses.replace(
+                signed, unencrypted_host=local.host, unencrypted_port=local.port)
+        return out
 
     def set_tags(self, tags: Mapping[str, str], **options: Any) -> None:
         raise NotImplementedError("Sandbox.set_tags: tags are fixed at create here "

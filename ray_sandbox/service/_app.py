@@ -37,7 +37,7 @@ from ._models import (
     check_path,
 )
 from ._sandboxes import Sandboxes, make_options
-from ._state import Shared, connect
+from ._state import connect
 
 PREFIX = "/api/v1"
 PUBLIC = frozenset({f"{PREFIX}/health", f"{PREFIX}/openapi.json"})
@@ -167,10 +167,10 @@ async def _refuse(send: Send, status: int, message: str) -> None:
     await send({"type": "http.response.body", "body": payload})
 
 
-def build_app(config: ServiceConfig, state: Shared | None = None) -> Any:
-    """The ASGI app of one replica; ``state`` is the books it shares with the others (its
-    own when None: one replica)."""
-    sandboxes = Sandboxes(config, state or connect(config, None))
+def build_app(config: ServiceConfig, sandboxes: Sandboxes | None = None) -> Any:
+    """The ASGI app of one replica over ``sandboxes`` (by default with books of its own:
+    one replica)."""
+    sandboxes = sandboxes or Sandboxes(config, connect(config, None))
     proxy = _ports.Proxy(config)
 
     @asynccontextmanager
@@ -289,7 +289,7 @@ def build_app(config: ServiceConfig, state: Shared | None = None) -> Any:
                        body: PortUrl) -> dict[str, Any]:
         """A URL to the sandbox's published ``port``, signed for it alone, expiring."""
         entry = await sandboxes.running(tenant(request), sandbox_id)
-        base = str(request.base_url).rstrip("/") + PREFIX
+        base = (config.public_url or str(request.base_url).rstrip("/")) + PREFIX
         return _ports.port_url(config, base, entry, port, body.ttl_seconds)
 
     @app.api_route(f"{PREFIX}/ports/{{sandbox_id}}/{{port}}/{{token}}/{{path:path}}",
@@ -298,8 +298,11 @@ def build_app(config: ServiceConfig, state: Shared | None = None) -> Any:
                          path: str) -> Response:
         """The sandbox's published port, for whoever holds a valid URL (no bearer)."""
         claims = _ports.claims_for(config, sandbox_id, port, token)
-        entry = await sandboxes.alive(claims["tenant"], sandbox_id)
-        return await proxy.forward(request, entry, port, path)
+        if "tenant" in claims:
+            node = (await sandboxes.alive(claims["tenant"], sandbox_id)).handle.node_id
+        else:  # signed for a Ray caller (_ports.ray_port_url)
+            node = await sandboxes.ray_alive(sandbox_id, claims["node"])
+        return await proxy.forward(request, node, port, path)
 
     @app.post(f"{PREFIX}/sandboxes/{{sandbox_id}}/links")
     async def link(request: Request, sandbox_id: str, body: CreateLink) -> LinkInfo:

@@ -68,6 +68,10 @@ class ServiceConfig(BaseModel):
     signing_key: SecretStr = Field(default_factory=lambda: SecretStr(secrets.token_hex(32)),
                                    description="signs port URLs (RAY_SANDBOX_API_SIGNING_KEY)")
     max_port_url_seconds: float = Field(3600.0, gt=0, description="longest port URL life")
+    public_url: str | None = Field(None, pattern=r"^https?://[^/?#]+(/[^?#]*)?$",
+                                   description="where clients reach the service "
+                                   "(scheme://host[:port], before /api/v1): port URLs use it; "
+                                   "`start` sets it to its own address when unset")
     allow_host_network: bool = Field(False, description="network='host' shares the node's")
     allow_host_images: bool = Field(False, description="images named by a path of the node "
                                     "(oci:, oci-archive:, docker-archive:, dir:)")
@@ -161,6 +165,8 @@ def from_env(environ: Mapping[str, str] | None = None, *, tokens_file: Path | No
     parsed = dict(parse_quota(q) for q in quotas)
     if env.get("RAY_SANDBOX_API_SIGNING_KEY"):  # shared by replicas and restarts
         settings.setdefault("signing_key", env["RAY_SANDBOX_API_SIGNING_KEY"])
+    if env.get("RAY_SANDBOX_API_PUBLIC_URL"):
+        settings.setdefault("public_url", env["RAY_SANDBOX_API_PUBLIC_URL"].rstrip("/"))
     try:
         return ServiceConfig(tokens=tokens, quotas={ANY_TENANT: Quota(), **parsed},
                              **settings)

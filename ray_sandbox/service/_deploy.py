@@ -6,10 +6,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import ray
 from ray import serve
 
-from ._app import build_app
+from ..actor import SandboxHandle
+from ..runtime.errors import ConfigError
+from . import _ports
+from ._app import PREFIX, build_app
 from ._config import ServiceConfig, from_env
+from ._sandboxes import Sandboxes
 from ._state import connect, disconnect
 
 APP_NAME = "ray-sandbox"
@@ -20,10 +25,27 @@ class SandboxService:
 
     def __init__(self, config: ServiceConfig) -> None:
         app = serve.get_replica_context().app_name
-        self._app = build_app(config, connect(config, app))
+        self._config = config
+        self._sandboxes = Sandboxes(config, connect(config, app))
+        self._app = build_app(config, self._sandboxes)
 
     def __serve_build_asgi_app__(self) -> Any:
         return self._app
+
+    async def port_url(self, sandbox: SandboxHandle, port: int,
+                       ttl_seconds: float | None = None) -> dict[str, Any]:
+        """For Ray callers only (a DeploymentHandle; no HTTP route reaches it): a signed,
+        expiring URL to ``port`` of a sandbox made through Ray, which no tenant owns (the
+        Modal facade's ``encrypted_ports``; docs/service.md, "Ports of sandboxes made
+        through Ray"). ``{url, token, expires_at}``, as the HTTP route answers."""
+        if self._config.public_url is None:
+            raise ConfigError("the service has no public_url to put in port URLs "
+                              "(RAY_SANDBOX_API_PUBLIC_URL, ServiceConfig.public_url)",
+                              sandbox_id=sandbox.sandbox_id)
+        published = (await self._sandboxes.call(sandbox.get_config.remote())).expose_ports
+        return _ports.ray_port_url(self._config, self._config.public_url + PREFIX,
+                                   sandbox.sandbox_id, sandbox.node_id, tuple(published),
+                                   port, ttl_seconds)
 
 
 def application(config: ServiceConfig) -> Any:
@@ -40,9 +62,12 @@ def application(config: ServiceConfig) -> Any:
 def start(config: ServiceConfig, host: str = "127.0.0.1", port: int = 8000) -> str:
     """Start Serve's proxy on ``host:port`` and deploy the service (on the connected Ray
     cluster); returns its base URL."""
+    if config.public_url is None:
+        reach = ray.util.get_node_ip_address() if host in ("0.0.0.0", "::") else host
+        config = config.model_copy(update={"public_url": f"http://{reach}:{port}"})
     serve.start(http_options={"host": host, "port": port})
     serve.run(application(config), name=APP_NAME, route_prefix="/", blocking=False)
-    return f"http://{host}:{port}/api/v1"
+    return f"http://{host}:{port}{PREFIX}"
 
 
 def stop() -> None:

@@ -19,6 +19,7 @@ import ray
 from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
 
+from ..runtime.errors import ConfigError
 from . import _errors, _signing
 from ._config import ServiceConfig
 from ._sandboxes import Entry
@@ -33,12 +34,33 @@ def port_url(config: ServiceConfig, base: str, entry: Entry, port: int,
              ttl: float | None) -> dict[str, Any]:
     """A URL for ``port`` of the tenant's sandbox, valid for ``ttl`` seconds (capped)."""
     if port not in entry.ports:
-        raise _errors.refusal(400, f"port {port} is not published by this sandbox "
-                                   f"(expose_ports={list(entry.ports)})")
+        raise _errors.refusal(400, _unpublished(port, entry.ports))
+    return _signed(config, base, {"sid": entry.api_id, "port": port, "tenant": entry.tenant},
+                   ttl)
+
+
+def ray_port_url(config: ServiceConfig, base: str, sandbox_id: str, node_id: str,
+                 published: tuple[int, ...], port: int, ttl: float | None) -> dict[str, Any]:
+    """A URL for ``port`` of a sandbox made through Ray, not by a tenant (the Modal facade's
+    ``encrypted_ports``). Only Ray callers get one (``SandboxService.port_url``): they hold
+    the cluster already. The claims name no tenant, so none of these opens a tenant's
+    sandbox, and they name the node, whose host the proxy asks on every request whether the
+    sandbox still runs."""
+    if port not in published:
+        raise ConfigError(_unpublished(port, published), sandbox_id=sandbox_id)
+    return _signed(config, base, {"sid": sandbox_id, "port": port, "node": node_id}, ttl)
+
+
+def _unpublished(port: int, ports: tuple[int, ...]) -> str:
+    return f"port {port} is not published by this sandbox (expose_ports={list(ports)})"
+
+
+def _signed(config: ServiceConfig, base: str, claims: dict[str, Any],
+            ttl: float | None) -> dict[str, Any]:
     expires = time.time() + min(ttl or config.max_port_url_seconds, config.max_port_url_seconds)
-    claims = {"sid": entry.api_id, "port": port, "tenant": entry.tenant, "exp": expires}
-    token = _signing.sign(config.signing_key.get_secret_value().encode(), claims)
-    return {"url": f"{base}/ports/{entry.api_id}/{port}/{token}/", "token": token,
+    token = _signing.sign(config.signing_key.get_secret_value().encode(),
+                          {**claims, "exp": expires})
+    return {"url": f"{base}/ports/{claims['sid']}/{claims['port']}/{token}/", "token": token,
             "expires_at": expires}
 
 
@@ -71,8 +93,9 @@ class Proxy:
             raise _errors.refusal(503, "the sandbox's node is gone")
         return self._addresses[node_id]
 
-    async def forward(self, request: Request, entry: Entry, port: int, path: str) -> Response:
-        host = await self._address(entry.handle.node_id)
+    async def forward(self, request: Request, node_id: str | None, port: int,
+                      path: str) -> Response:
+        host = await self._address(node_id)
         url = httpx.URL(f"http://{host}:{port}/{path}", query=request.url.query.encode())
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
         req = self._http.build_request(request.method, url, headers=headers,

@@ -26,6 +26,8 @@ import anyio.to_thread
 from fastapi import HTTPException
 
 from .. import actor
+from ..actor.hosts import host_for_node
+from ..actor.placement import node_alive
 from ..runtime.config import SandboxConfig
 from ..runtime.errors import ImageReferenceError, SandboxError, SandboxNotFoundError
 from ..runtime.images import parse_reference
@@ -232,6 +234,21 @@ class Sandboxes:
             self._entries.pop(api_id, None)
             raise _errors.refusal(404, f"no sandbox {api_id!r}")
         return entry
+
+    async def ray_alive(self, sandbox_id: str, node_id: str) -> str:
+        """``node_id`` if the sandbox made through Ray (no tenant's) still runs there, asked
+        of its host now for the reason ``alive`` gives; else 404."""
+        gone = _errors.refusal(404, f"no sandbox {sandbox_id!r}")
+        if not await self._blocking(node_alive, node_id):
+            raise gone
+        host = await self._blocking(host_for_node, node_id)
+        try:
+            state = (await self.call(host.status.remote(sandbox_id))).state
+        except SandboxNotFoundError:
+            raise gone from None
+        if state == SandboxState.TERMINATED:
+            raise gone
+        return node_id
 
     # --- create, status, list, delete ------------------------------------------------------
 

@@ -45,10 +45,23 @@ def test_unencrypted_ports_are_published_on_the_node():
     out = _options(unencrypted_ports=[8080, 9000])
     assert out["expose_ports"] == (8080, 9000) and out["network"] == "public"
     assert out["labels"] == {"modal.ports": "8080,9000"}
-    assert modal.Tunnel("127.0.0.1", 8080).tcp_socket == ("127.0.0.1", 8080)
-    assert modal.Tunnel("10.0.0.2", 80).url == "http://10.0.0.2:80"
+    assert modal.Tunnel.node_local("127.0.0.1", 8080).tcp_socket == ("127.0.0.1", 8080)
+    assert modal.Tunnel.node_local("10.0.0.2", 80).url == "http://10.0.0.2:80"
     with pytest.raises(NotImplementedError, match="TLS"):
-        _ = modal.Tunnel("h", 1).tls_socket
+        _ = modal.Tunnel.node_local("h", 1).tls_socket
+
+
+def test_encrypted_ports_are_published_and_go_through_the_service(monkeypatch):
+    out = _options(unencrypted_ports=[8080], encrypted_ports=[8080, 443])
+    assert out["expose_ports"] == (8080, 443)  # each port once
+    assert out["labels"] == {"modal.ports": "8080", "modal.encrypted_ports": "8080,443"}
+    monkeypatch.delenv("RAY_SANDBOX_SERVICE_APP", raising=False)
+    with pytest.raises(NotImplementedError, match="RAY_SANDBOX_SERVICE_APP"):
+        modal.Sandbox.create(encrypted_ports=[443])  # refused before anything is made
+    served = modal.Tunnel("svc.example", 443, url="https://svc.example/api/v1/ports/x/1/t/")
+    assert served.tls_socket == ("svc.example", 443)
+    with pytest.raises(modal.exception.InvalidError, match="unencrypted"):
+        _ = served.tcp_socket
 
 
 def test_network_options():

@@ -4,15 +4,19 @@ tests/test_service*.py, against a real Serve app)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from ray_sandbox.runtime import errors
 from ray_sandbox.runtime.config import SandboxConfig
+from ray_sandbox.runtime.errors import ConfigError
 from ray_sandbox.service import Quota, ServiceConfig, from_env, parse_quota, parse_tokens
 from ray_sandbox.service._app import authenticate
 from ray_sandbox.service._config import ANY_TENANT, tokens_from
 from ray_sandbox.service._errors import code_of, status_of
 from ray_sandbox.service._models import check_path
+from ray_sandbox.service._ports import ray_port_url
 from ray_sandbox.service._quota import Charge, charge, over_quota
 from ray_sandbox.service._signing import sign, verify
 
@@ -125,3 +129,21 @@ def test_port_tokens_verify_only_genuine_unexpired_ones():
         assert verify(key, bad, 0)[0] is None
     no_expiry = sign(key, {"sid": "a"})
     assert verify(key, no_expiry, 0) == (None, "expired token")
+
+
+def test_port_urls_of_ray_sandboxes_name_no_tenant_and_only_published_ports():
+    config = from_env({"RAY_SANDBOX_API_TOKEN": "token-0123456789",
+                       "RAY_SANDBOX_API_PUBLIC_URL": "https://svc.example/"},
+                      signing_key="k" * 32, max_port_url_seconds=60)
+    assert config.public_url == "https://svc.example"
+    signed = ray_port_url(config, config.public_url + "/api/v1", "a" * 32, "node-1",
+                          (8080,), 8080, ttl=3600)  # capped at 60 s
+    token = signed["token"]
+    assert signed["url"] == f"https://svc.example/api/v1/ports/{'a' * 32}/8080/{token}/"
+    claims, _ = verify(b"k" * 32, token, signed["expires_at"] - 1)
+    assert set(claims) == {"sid", "port", "node", "exp"}  # no tenant: no tenant route opens
+    assert signed["expires_at"] - time.time() <= 60
+    with pytest.raises(ConfigError, match="not published"):
+        ray_port_url(config, "", "a" * 32, "node-1", (8080,), 9, ttl=None)
+    with pytest.raises(ConfigError, match="public_url"):
+        from_env({"RAY_SANDBOX_API_TOKEN": "token-0123456789"}, public_url="svc.example")
