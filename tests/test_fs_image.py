@@ -93,3 +93,22 @@ def test_refs_and_mount_points_parse(tmp_path):
         fs_image.layout("../..", "0" * 32, tmp_path)
     mounts = "none / 9p rw 0 0\nproc /proc proc rw 0 0\nnone /data\\040dir 9p rw 0 0\n"
     assert fs_image.mount_points(mounts) == {"/proc", "/data dir"}
+
+
+def test_an_image_is_deleted_right_after_the_last_sandbox_using_it(fs_rt):
+    """delete() returns before its teardown drops the image's pin: deleting the image next
+    finishes that teardown first instead of finding the image in use."""
+    rt = fs_rt
+    src = rt.create(image="ray-sandbox/busybox", memory="64Mi", readonly=False)
+    image = None
+    try:
+        image = rt.snapshot_filesystem(src)
+        kid = rt.create(image=image.ref, memory="64Mi", readonly=False)
+        rt.delete(kid)  # not wait=True: the pin goes in the background
+        rt.delete_filesystem_image(image.ref)
+        with pytest.raises(ImageNotFoundError):
+            rt.images.inspect(image.ref)
+    finally:
+        rt.delete(src, wait=True)
+        if image is not None:
+            rt.delete_filesystem_image(image.ref)

@@ -479,6 +479,15 @@ class Launcher:
         if self._records.read_tombstone(sandbox_id) is not None:
             self._teardown(sandbox_id)
 
+    def settle_pins(self, digest: str) -> None:
+        """Finish the pending teardowns of this home's deleted sandboxes that still pin
+        ``digest``: delete() returns before its teardown unpins, and removing the image
+        right after must not find it in use. A live sandbox's pin is left alone."""
+        for owner in self.images.pins(digest):
+            sandbox_id = owner.removeprefix(self._pin_prefix)
+            if owner.startswith(self._pin_prefix) and ID_RE.match(sandbox_id):
+                self._settle(sandbox_id)
+
     def drain(self) -> None:
         """Wait for the background teardowns, at most ``_DRAIN_WAIT_S``."""
         if not self._teardowns.drain(_DRAIN_WAIT_S):

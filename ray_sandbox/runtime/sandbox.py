@@ -467,8 +467,10 @@ class SandboxRuntime:
         parsed = fs_image.parse(ref)
         if parsed is None:
             raise ConfigError(f"{ref!r} is not a filesystem image")
+        local = fs_image.local_ref(ref, self.home)
         with contextlib.suppress(ImageNotFoundError):
-            self.images.remove(fs_image.local_ref(ref, self.home))
+            self._launcher.settle_pins(self.images.inspect(local).digest)
+            self.images.remove(local)
         fs_image.remove(*parsed, self.home)
 
     def oom_killed(self, sandbox_id: str) -> bool:
