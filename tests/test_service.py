@@ -493,6 +493,40 @@ def test_a_modal_encrypted_port_is_a_signed_url_of_the_service(service: Service,
     error(httpx.get(tunnel.url + "index.html"), 404)  # its sandbox is gone
 
 
+def test_a_filesystem_image_serves_its_tenant_alone(service: Service):
+    with service.client() as c, service.client("bob") as bob:
+        sid = create(c)
+        wait_running(c, sid)
+        c.put(f"/sandboxes/{sid}/files", params={"path": "/root/kept"}, content=b"kept")
+        r = c.post(f"/sandboxes/{sid}/filesystem-image")
+        assert r.status_code == 201, r.text
+        image = r.json()["image"]
+        image_id = image.removeprefix("fs-image://")
+        assert len(image_id) == 32 and c.get("/filesystem-images").json() == {"images": [image]}
+        assert "1 filesystem images kept" in error(
+            c.post(f"/sandboxes/{sid}/filesystem-image"), 429, "quota_exceeded")
+        # another tenant neither sees it nor creates from it, as if it did not exist
+        assert bob.get("/filesystem-images").json() == {"images": []}
+        assert error(bob.post("/sandboxes", json={"image": image}), 400) \
+            == error(c.post("/sandboxes", json={"image": "fs-image://" + "0" * 32}), 400) \
+            .replace("0" * 32, image_id)
+        bob.delete(f"/filesystem-images/{image_id}")  # no effect on alice's
+        new = create(c, image=image)
+        info = wait_running(c, new)
+        assert info["image"] == image  # the tenant's name for it, not a path of the host
+        got = c.get(f"/sandboxes/{new}/files", params={"path": "/root/kept"})
+        assert (got.status_code, got.content) == (200, b"kept")
+        error(c.delete(f"/filesystem-images/{image_id}"), 409)  # a sandbox runs from it
+        assert c.get("/filesystem-images").json() == {"images": [image]}
+        for s in (new, sid):
+            assert c.delete(f"/sandboxes/{s}").status_code == 200
+        for _ in range(2):  # idempotent
+            r = c.delete(f"/filesystem-images/{image_id}")
+            assert r.json() == {"image": image, "status": "deleted"}, r.text
+        assert c.get("/filesystem-images").json() == {"images": []}
+        error(c.post("/sandboxes", json={"image": image}), 400)
+
+
 def _read_until(ws, needle: bytes, limit: int = 200) -> bytes:
     """Output frames until ``needle`` appears (each recv bounded by its timeout)."""
     out = b""

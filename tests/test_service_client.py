@@ -43,6 +43,16 @@ def test_sync_client_mirrors_the_handle_and_cleans_up(service: Service):
         (fork,) = sb.fork()
         assert (copy.read_file("/tmp/f"), fork.read_file("/tmp/f")) == (b"hello", b"changed")
         c.delete_snapshot(snap)
+        sb.write_file("/root/kept", "files")
+        image = sb.snapshot_filesystem()
+        assert c.filesystem_images() == [image]
+        from_image = c.create(**{**SMALL, "image": image})
+        assert from_image.read_file("/root/kept") == b"files"
+        with pytest.raises(ray_sandbox.ImageInUseError):
+            c.delete_filesystem_image(image)
+        from_image.terminate()
+        c.delete_filesystem_image(image)
+        assert c.filesystem_images() == []
         sb.write_file("/tmp/f", "hello")
         assert c.get(sb.sandbox_id).status()["status"] == "running"
         kept = c.create(**SMALL)

@@ -82,6 +82,13 @@ class AsyncSandbox:
         r = await self._client._run(_ops.one("POST", self._path("/snapshot"), self.sandbox_id))
         return r.json()["snapshot_id"]
 
+    async def snapshot_filesystem(self) -> str:
+        """The sandbox's files (not its processes) as an image this tenant creates sandboxes
+        from: ``fs-image://<id>``, for ``create(image=...)``."""
+        r = await self._client._run(_ops.one("POST", self._path("/filesystem-image"),
+                                              self.sandbox_id, timeout=660))
+        return r.json()["image"]
+
     async def fork(self, k: int = 1) -> list[AsyncSandbox]:
         """``k`` running copies, each created by (and deleted with) this client."""
         r = await self._client._run(_ops.one("POST", self._path("/fork"), self.sandbox_id,
@@ -158,6 +165,14 @@ class AsyncSandboxClient:
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
         await self._run(_ops.one("DELETE", f"/snapshots/{snapshot_id}"))
+
+    async def filesystem_images(self) -> list[str]:
+        """This tenant's filesystem images (``AsyncSandbox.snapshot_filesystem``)."""
+        return (await self._run(_ops.one("GET", "/filesystem-images"))).json()["images"]
+
+    async def delete_filesystem_image(self, image: str) -> None:
+        """Idempotent; ``ImageInUseError`` while a sandbox runs from it."""
+        await self._run(_ops.one("DELETE", _ops.fs_image_path(image)))
 
     def _adopt(self, ids: list[str]) -> list[AsyncSandbox]:
         made = [AsyncSandbox(self, i) for i in ids]

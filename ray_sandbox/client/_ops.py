@@ -154,6 +154,11 @@ def one(method: str, path: str, sandbox_id: str | None = None, **kw: Any) -> Op:
     return check((yield Call(method, path, **kw)), sandbox_id)
 
 
+def fs_image_path(image: str) -> str:
+    """``fs-image://<id>`` (or the bare id) -> its resource path."""
+    return f"/filesystem-images/{image.rpartition('/')[2]}"
+
+
 def api_url(base_url: str) -> str:
     """``http://host:port`` or ``.../api/v1`` -> ``.../api/v1``."""
     base = base_url.rstrip("/")

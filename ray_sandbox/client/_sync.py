@@ -78,6 +78,13 @@ class Sandbox:
         r = self._client._run(_ops.one("POST", self._path("/snapshot"), self.sandbox_id))
         return r.json()["snapshot_id"]
 
+    def snapshot_filesystem(self) -> str:
+        """The sandbox's files (not its processes) as an image this tenant creates sandboxes
+        from: ``fs-image://<id>``, for ``create(image=...)``."""
+        r = self._client._run(_ops.one("POST", self._path("/filesystem-image"),
+                                        self.sandbox_id, timeout=660))
+        return r.json()["image"]
+
     def fork(self, k: int = 1) -> list[Sandbox]:
         """``k`` running copies, each created by (and deleted with) this client."""
         r = self._client._run(_ops.one("POST", self._path("/fork"), self.sandbox_id,
@@ -159,6 +166,14 @@ class SandboxClient:
 
     def delete_snapshot(self, snapshot_id: str) -> None:
         self._run(_ops.one("DELETE", f"/snapshots/{snapshot_id}"))
+
+    def filesystem_images(self) -> list[str]:
+        """This tenant's filesystem images (``Sandbox.snapshot_filesystem``)."""
+        return self._run(_ops.one("GET", "/filesystem-images")).json()["images"]
+
+    def delete_filesystem_image(self, image: str) -> None:
+        """Idempotent; ``ImageInUseError`` while a sandbox runs from it."""
+        self._run(_ops.one("DELETE", _ops.fs_image_path(image)))
 
     def _adopt(self, ids: list[str]) -> list[Sandbox]:
         made = [Sandbox(self, i) for i in ids]

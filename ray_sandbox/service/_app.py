@@ -36,7 +36,7 @@ from ._models import (
     Signal,
     check_path,
 )
-from ._sandboxes import Sandboxes, make_options
+from ._sandboxes import FS_IMAGE_SCHEME, Sandboxes, make_options
 from ._state import connect
 
 PREFIX = "/api/v1"
@@ -339,6 +339,23 @@ def build_app(config: ServiceConfig, sandboxes: Sandboxes | None = None) -> Any:
     async def delete_volume(request: Request, name: str) -> dict[str, str]:
         await sandboxes.volumes.delete(tenant(request), name)
         return {"name": name, "status": "deleted"}
+
+    @app.post(f"{PREFIX}/sandboxes/{{sandbox_id}}/filesystem-image", status_code=201)
+    async def filesystem_image(request: Request, sandbox_id: str) -> dict[str, str]:
+        """The sandbox's files (not its processes) as an image only this tenant creates
+        sandboxes from: ``{"image": "fs-image://<id>"}``, for ``POST /sandboxes``."""
+        entry = await sandboxes.running(tenant(request), sandbox_id)
+        return {"image": await sandboxes.fs_image(entry)}
+
+    @app.get(f"{PREFIX}/filesystem-images")
+    async def list_filesystem_images(request: Request) -> dict[str, list[str]]:
+        return {"images": await sandboxes.fs_images(tenant(request))}
+
+    @app.delete(f"{PREFIX}/filesystem-images/{{image_id}}")
+    async def delete_filesystem_image(request: Request, image_id: str) -> dict[str, str]:
+        """Idempotent; 409 while a sandbox runs from it."""
+        await sandboxes.delete_fs_image(tenant(request), image_id)
+        return {"image": FS_IMAGE_SCHEME + image_id, "status": "deleted"}
 
     @app.get(f"{PREFIX}/snapshots")
     async def list_snapshots(request: Request) -> dict[str, list[str]]:

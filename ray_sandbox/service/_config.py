@@ -49,6 +49,7 @@ class ServiceConfig(BaseModel):
     max_streams: int = Field(256, gt=0, description="streamed execs running at once")
     stream_keepalive_seconds: float = Field(15.0, gt=0, description="line in a silence")
     max_snapshots: int = Field(16, gt=0, description="snapshots kept per tenant")
+    max_fs_images: int = Field(8, ge=0, description="filesystem images kept per tenant")
     max_copies: int = Field(8, gt=0, description="copies one fork or restore makes")
     max_errored: int = Field(64, gt=0, description="failed creates kept per tenant for GET")
     create_threads: int = Field(16, gt=0, description="creates and listings run at once")

@@ -26,6 +26,7 @@ STATUS: tuple[tuple[type[e.SandboxError], int], ...] = (
     (e.ConfigError, 400),
     (e.ImageReferenceError, 400),
     (e.ImageNotFoundError, 400),
+    (e.ImageInUseError, 409),  # a filesystem image a sandbox runs from
     (e.UnsafePathError, 400),
     (e.ExecError, 400),
     (e.SandboxFileError, 409),  # is a directory, not a directory, exists, permission

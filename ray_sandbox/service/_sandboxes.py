@@ -11,6 +11,7 @@ shared books (``_state``). Used from the replica's event loop only; calls that b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import secrets
@@ -28,6 +29,7 @@ from fastapi import HTTPException
 from .. import actor
 from ..actor.hosts import host_for_node
 from ..actor.placement import node_alive
+from ..runtime import fs_image
 from ..runtime.config import SandboxConfig
 from ..runtime.errors import ImageReferenceError, SandboxError, SandboxNotFoundError
 from ..runtime.images import parse_reference
@@ -36,7 +38,7 @@ from . import _errors, _pty, _streams
 from ._config import ServiceConfig
 from ._models import ExecInfo, LinkInfo, SandboxInfo
 from ._quota import Charge, charge
-from ._state import Shared
+from ._state import FS_IMAGE, SNAPSHOT, Shared
 from ._volumes import TenantVolumes
 
 log = logging.getLogger(__name__)
@@ -46,6 +48,8 @@ TENANT_LABEL = "ray-sandbox/service-tenant"
 CPU_LABEL = "ray-sandbox/service-cpu"
 MEMORY_LABEL = "ray-sandbox/service-memory"
 PORTS_LABEL = "ray-sandbox/service-ports"  # its published ports, for port URLs after adoption
+IMAGE_LABEL = "ray-sandbox/service-image"  # the image as the tenant named it (not a host path)
+FS_IMAGE_SCHEME = "fs-image://"  # a tenant's filesystem image, by the id the service gave it
 ID_RE = re.compile(r"^[0-9a-f]{32}$")
 
 
@@ -150,7 +154,7 @@ class Sandboxes:
             return None  # not the service's
         entry = Entry(api_id, labels[TENANT_LABEL],
                       Charge(float(labels.get(CPU_LABEL, 0)), int(labels.get(MEMORY_LABEL, 0))),
-                      status.image or "", user_labels(labels),
+                      labels.get(IMAGE_LABEL, status.image or ""), user_labels(labels),
                       status.created_at.timestamp() if status.created_at else None,
                       ports=tuple(int(p) for p in labels.get(PORTS_LABEL, "").split(",") if p),
                       handle=handle)
@@ -261,8 +265,11 @@ class Sandboxes:
                                        "reserved")
         if options.get("network") == "host" and not self._config.allow_host_network:
             raise _errors.refusal(400, "network='host' is not allowed by this service")
-        image = options.get("image")
-        if isinstance(image, str) and not self._config.allow_host_images:
+        image, shown = options.get("image"), None
+        if isinstance(image, str) and image.startswith(FS_IMAGE_SCHEME):
+            shown = image
+            options = {**options, "image": await self._fs_image_ref(tenant, image)}
+        elif isinstance(image, str) and not self._config.allow_host_images:
             try:
                 from_host = parse_reference(image).reads_host_files
             except ImageReferenceError:
@@ -277,7 +284,7 @@ class Sandboxes:
         config = actor.make_template(**options).config
         cost = charge(config)
         api_id = secrets.token_hex(16)
-        entry = Entry(api_id, tenant, cost, config.image, dict(labels), time.time(),
+        entry = Entry(api_id, tenant, cost, shown or config.image, dict(labels), time.time(),
                       ports=config.expose_ports)
         await self._admit(tenant, [api_id], cost, {
             "image": entry.image, "labels": entry.labels, "cpu": cost.cpu,
@@ -285,10 +292,19 @@ class Sandboxes:
         self._entries[api_id] = entry
         ray_labels = {**labels, TENANT_LABEL: tenant, CPU_LABEL: repr(cost.cpu),
                       MEMORY_LABEL: str(cost.memory),
-                      PORTS_LABEL: ",".join(map(str, config.expose_ports))}
+                      PORTS_LABEL: ",".join(map(str, config.expose_ports)),
+                      **({IMAGE_LABEL: shown} if shown else {})}
         entry.creating = asyncio.ensure_future(self._create(entry, {**options,
                                                                      "labels": ray_labels}))
         return entry
+
+    async def _fs_image_ref(self, tenant: str, name: str) -> str:
+        """The host's reference of the tenant's filesystem image ``name``; anyone else's is
+        not found either."""
+        kept = await self._state("kept", FS_IMAGE, tenant, name.removeprefix(FS_IMAGE_SCHEME))
+        if kept is None:
+            raise _errors.refusal(400, f"no filesystem image {name!r}")
+        return kept["ref"]
 
     async def _admit(self, tenant: str, keys: list[str], cost: Charge,
                      pending: dict[str, Any] | None = None) -> None:
@@ -447,31 +463,71 @@ class Sandboxes:
 
     async def snapshot(self, entry: Entry) -> str:
         """Snapshot a running sandbox (it keeps running); the tenant's snapshots are bounded."""
-        limit = self._config.max_snapshots
-        if len(await self._state("snapshots", entry.tenant)) >= limit:
-            raise _errors.refusal(429, f"{limit} snapshots kept, the limit; delete one")
-        snap = await self.call(entry.handle.snapshot.remote())
-        reason = await self._state("keep_snapshot", entry.tenant, snap.snapshot_id, {
-            "snapshot": snap, "cpu": entry.charge.cpu, "memory": entry.charge.memory,
-            "image": entry.image, "labels": entry.labels})
+        return await self._keep(
+            SNAPSHOT, entry.tenant, entry.handle.snapshot.remote,
+            lambda snap: (snap.snapshot_id, {
+                "snapshot": snap, "cpu": entry.charge.cpu, "memory": entry.charge.memory,
+                "image": entry.image, "labels": entry.labels}),
+            actor.delete_snapshot)
+
+    async def fs_image(self, entry: Entry) -> str:
+        """The running sandbox's files as an image only this tenant creates sandboxes from
+        (``fs-image://<id>``, on any node); the tenant's images are bounded."""
+        image_id = await self._keep(
+            FS_IMAGE, entry.tenant, entry.handle.snapshot_filesystem.remote,
+            lambda ref: (fs_image.parse(ref)[1], {"ref": ref, "source": entry.api_id}),
+            actor.delete_filesystem_image)
+        return FS_IMAGE_SCHEME + image_id
+
+    async def _keep(self, kind: str, tenant: str, take: Any, record: Any,
+                    discard: Any) -> str:
+        """Keep what ``take()`` (an ObjectRef) makes in the tenant's books as ``record``
+        says (key, value), or 429 when the tenant's limit of ``kind`` is reached. What is
+        made but not kept is discarded, also when it is made after its wait ran out."""
+        limit = self._config.max_snapshots if kind == SNAPSHOT else self._config.max_fs_images
+        if len(await self._state("kept_keys", kind, tenant)) >= limit:
+            raise _errors.refusal(429, f"{limit} {kind}s kept, the limit; delete one")
+        made = asyncio.ensure_future(asyncio.wrap_future(take().future()))
+        try:
+            result = await asyncio.wait_for(asyncio.shield(made), self._config.call_timeout)
+        except TimeoutError:
+            self._reports.add(task := asyncio.ensure_future(self._discard_late(made, discard)))
+            task.add_done_callback(self._reported)
+            raise
+        key, value = record(result)
+        reason = await self._state("keep", kind, tenant, key, value)
         if reason is not None:  # another replica kept one meanwhile
-            await self._blocking(actor.delete_snapshot, snap)
+            await self._blocking(discard, result)
             raise _errors.refusal(429, reason)
-        return snap.snapshot_id
+        return key
+
+    async def _discard_late(self, made: asyncio.Future[Any], discard: Any) -> None:
+        with contextlib.suppress(Exception):  # it failed: nothing was made
+            await self._blocking(discard, await made)
 
     async def kept(self, tenant: str, snapshot_id: str) -> dict[str, Any]:
-        kept = await self._state("snapshot", tenant, snapshot_id)
+        kept = await self._state("kept", SNAPSHOT, tenant, snapshot_id)
         if kept is None:
             raise _errors.refusal(404, f"no snapshot {snapshot_id!r}")
         return kept
 
     async def snapshots(self, tenant: str) -> list[str]:
-        return await self._state("snapshots", tenant)
+        return await self._state("kept_keys", SNAPSHOT, tenant)
+
+    async def fs_images(self, tenant: str) -> list[str]:
+        return [FS_IMAGE_SCHEME + k for k in await self._state("kept_keys", FS_IMAGE, tenant)]
 
     async def delete_snapshot(self, tenant: str, snapshot_id: str) -> None:
-        kept = await self._state("drop_snapshot", tenant, snapshot_id)
+        kept = await self._state("drop", SNAPSHOT, tenant, snapshot_id)
         if kept is not None:  # else idempotent, like a sandbox's delete
             await self._blocking(actor.delete_snapshot, kept["snapshot"])
+
+    async def delete_fs_image(self, tenant: str, image_id: str) -> None:
+        """Idempotent; 409 while a sandbox uses it (and then it is kept)."""
+        kept = await self._state("kept", FS_IMAGE, tenant, image_id)
+        if kept is not None:
+            await self._blocking(actor.delete_filesystem_image, kept["ref"])
+            await self._state("drop", FS_IMAGE, tenant, image_id)
 
     async def restore(self, tenant: str, snapshot_id: str, count: int) -> list[str]:
         """``count`` running copies of a snapshot (all or none), charged like their source."""

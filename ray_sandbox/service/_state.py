@@ -1,5 +1,6 @@
 """The books every replica of one service shares: creates in flight and failed, the quota
-ledger, exec results, which streamed exec runs where, kept snapshots and recent deletes.
+ledger, exec results, which streamed exec runs where, kept snapshots and filesystem images,
+and recent deletes.
 
 With one replica they are a plain object in it; with more, one named, detached Ray actor
 per service app holds them (``ray_sandbox_service_state:<app>``, zero CPUs, restarted by
@@ -35,6 +36,7 @@ MAX_TOMBSTONES = 4096  # recent deletes, so every replica answers 404 for them
 MAX_STREAMS = 4096  # streamed execs findable by another replica (a replica caps its own)
 MAX_RESULT_BYTES = 256 << 20  # output kept over every exec result (oldest finished evicted)
 GRACE = 60.0  # a create or exec past its own bound by this much lost its replica
+SNAPSHOT, FS_IMAGE = "snapshot", "filesystem image"  # the kinds of things a tenant keeps
 
 
 class Bounds(BaseModel):
@@ -45,6 +47,7 @@ class Bounds(BaseModel):
     max_execs_per_sandbox: int
     max_errored: int
     max_snapshots: int
+    max_fs_images: int
     create_timeout: float
 
     @classmethod
@@ -95,7 +98,7 @@ class Books:
         self._finished: OrderedDict[tuple[str, str], int] = OrderedDict()  # for the byte cap
         self._bytes = 0
         self._streams: OrderedDict[tuple[str, str], tuple[str, str]] = OrderedDict()
-        self._snapshots: dict[str, OrderedDict[str, dict[str, Any]]] = {}
+        self._kept: dict[tuple[str, str], OrderedDict[str, dict[str, Any]]] = {}
         self._tombstones: OrderedDict[str, None] = OrderedDict()
         self._leases: dict[str, tuple[str, float]] = {}  # key -> holder, until
 
@@ -340,25 +343,26 @@ class Books:
         if self._leases.get(key, ("", 0.0))[0] == holder:
             del self._leases[key]
 
-    # --- snapshots -------------------------------------------------------------------------
+    # --- what tenants keep: snapshots and filesystem images --------------------------------
 
-    async def keep_snapshot(self, tenant: str, snapshot_id: str,
-                            kept: dict[str, Any]) -> str | None:
-        """Keep a snapshot for the tenant (None), or why not: its limit is reached."""
-        mine = self._snapshots.setdefault(tenant, OrderedDict())
-        if len(mine) >= self._b.max_snapshots:
-            return f"{len(mine)} snapshots kept, the limit; delete one"
-        mine[snapshot_id] = kept
+    async def keep(self, kind: str, tenant: str, key: str, kept: dict[str, Any]) -> str | None:
+        """Keep a snapshot or a filesystem image (``kind``) for the tenant (None), or why
+        not: the tenant's limit of that kind is reached."""
+        mine = self._kept.setdefault((kind, tenant), OrderedDict())
+        limit = self._b.max_snapshots if kind == SNAPSHOT else self._b.max_fs_images
+        if len(mine) >= limit:
+            return f"{len(mine)} {kind}s kept, the limit; delete one"
+        mine[key] = kept
         return None
 
-    async def snapshots(self, tenant: str) -> list[str]:
-        return list(self._snapshots.get(tenant, {}))
+    async def kept_keys(self, kind: str, tenant: str) -> list[str]:
+        return list(self._kept.get((kind, tenant), {}))
 
-    async def snapshot(self, tenant: str, snapshot_id: str) -> dict[str, Any] | None:
-        return self._snapshots.get(tenant, {}).get(snapshot_id)
+    async def kept(self, kind: str, tenant: str, key: str) -> dict[str, Any] | None:
+        return self._kept.get((kind, tenant), {}).get(key)
 
-    async def drop_snapshot(self, tenant: str, snapshot_id: str) -> dict[str, Any] | None:
-        return self._snapshots.get(tenant, {}).pop(snapshot_id, None)
+    async def drop(self, kind: str, tenant: str, key: str) -> dict[str, Any] | None:
+        return self._kept.get((kind, tenant), {}).pop(key, None)
 
 
 class Shared:
