@@ -249,7 +249,30 @@ def books(**bounds):
     from ray_sandbox.service._state import Books, Bounds
 
     return Books(Bounds(**{"max_execs_per_sandbox": 2, "max_errored": 2, "max_snapshots": 1,
-                           "create_timeout": 60.0, **bounds}))
+                           "max_fs_images": 1, "create_timeout": 60.0, **bounds}))
+
+
+def test_the_books_keep_each_kind_per_tenant_within_its_own_limit():
+    import asyncio
+
+    from ray_sandbox.service._state import FS_IMAGE, SNAPSHOT
+
+    async def main() -> None:
+        b = books(max_fs_images=2)
+        assert await b.keep(SNAPSHOT, "t", "s1", {"n": 1}) is None
+        assert "1 snapshots kept" in await b.keep(SNAPSHOT, "t", "s2", {})
+        for key in ("i1", "i2"):  # another kind counts apart
+            assert await b.keep(FS_IMAGE, "t", key, {"ref": key}) is None
+        assert "2 filesystem images kept" in await b.keep(FS_IMAGE, "t", "i3", {})
+        assert await b.keep(SNAPSHOT, "u", "s1", {"n": 2}) is None  # and another tenant
+        assert await b.kept(SNAPSHOT, "u", "s1") == {"n": 2}
+        assert await b.kept(FS_IMAGE, "u", "i1") is None
+        assert await b.kept_keys(FS_IMAGE, "t") == ["i1", "i2"]
+        assert await b.drop(FS_IMAGE, "t", "i1") == {"ref": "i1"}
+        assert await b.drop(FS_IMAGE, "t", "i1") is None
+        assert await b.keep(FS_IMAGE, "t", "i3", {}) is None
+
+    asyncio.run(main())
 
 
 def test_the_books_admit_in_one_step_and_reconcile_only_what_ended_before_a_look():
