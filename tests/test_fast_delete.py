@@ -73,6 +73,31 @@ def test_create_and_delete_in_a_loop_leaves_nothing(runtime):
     assert leftovers_after_teardown(runtime.home, set(ids)) == {}
 
 
+def test_a_teardown_that_failed_part_way_is_finished_by_gc_not_leaked(runtime, monkeypatch):
+    """A background teardown that raised part-way (here an unexpected OSError from the
+    network's detach) left mounts, cgroups and its tombstone, and gc() left them to their
+    owner, alive: a long-lived host leaked them until it ended."""
+    from ray_sandbox.runtime import launch
+
+    sid = runtime.create(image="ray-sandbox/busybox", memory="64Mi", readonly=False)
+    real, failed = launch.network.detach, []
+
+    def detach_fails_once(sandbox_id, *args, **kw):
+        if sandbox_id == sid and not failed:
+            failed.append(sandbox_id)
+            raise OSError(16, "Device or resource busy (injected)")
+        return real(sandbox_id, *args, **kw)
+
+    monkeypatch.setattr(launch.network, "detach", detach_fails_once)
+    runtime.delete(sid)
+    assert wait_until(lambda: failed and runtime._launcher._teardowns.drain(0), HANG_GUARD_S)
+    assert sid in runtime.records.buried()  # left part-way, its tombstone kept
+    assert leftovers(runtime.home, {sid})
+    assert runtime.gc() == [sid]
+    assert leftovers_after_teardown(runtime.home, {sid}) == {}
+    assert sid not in runtime.records.buried()
+
+
 def test_an_id_used_again_waits_for_its_old_teardown(runtime):
     """Suspend and resume in the Ray layer delete a sandbox and restore it under its id."""
     sid = runtime.create(image="ray-sandbox/busybox", memory="64Mi", readonly=False)

@@ -159,16 +159,32 @@ class Teardowns:
         if queued:
             self._run(sandbox_id)
 
+    def run(self, sandbox_id: str, timeout: float, *, propagate: bool = False) -> bool:
+        """Tear the id down now, in this thread: a queued teardown is taken over, a running
+        one waited for (at most ``timeout`` seconds) instead of run twice at once, else one
+        runs here (``propagate``: its error is raised, not logged). Whether it ran here."""
+        with self._cv:
+            if sandbox_id in self._running:
+                self._cv.wait_for(lambda: sandbox_id not in self._running, timeout)
+                return False
+            if sandbox_id in self._queue:
+                self._queue.remove(sandbox_id)
+            self._running.add(sandbox_id)
+        self._run(sandbox_id, propagate=propagate)
+        return True
+
     def drain(self, timeout: float) -> bool:
         """Wait until nothing is queued or running (at most ``timeout`` seconds)."""
         with self._cv:
             return self._cv.wait_for(lambda: not self._queue and not self._running, timeout)
 
-    def _run(self, sandbox_id: str) -> None:
+    def _run(self, sandbox_id: str, *, propagate: bool = False) -> None:
         """Finish one teardown the caller has marked running."""
         try:
             self._finish(sandbox_id)
         except Exception:  # one failed teardown must not end the others; gc finds the rest
+            if propagate:
+                raise
             _log.exception("teardown of sandbox %s failed", sandbox_id)
         finally:
             with self._cv:
@@ -400,9 +416,27 @@ class Launcher:
 
     def destroy(self, sandbox_id: str, reason: str | None = None) -> None:
         """Stop the sandbox and remove everything it owns, in this thread. Safe on a
-        half-made or already removed sandbox; ``reason`` becomes its tombstone."""
+        half-made or already removed sandbox; ``reason`` becomes its tombstone. A teardown
+        of it already running (a delete racing its TTL) is waited for, not run twice."""
         self._stop(sandbox_id, reason)
-        self._teardown(sandbox_id)
+        self._teardowns.run(sandbox_id, _SETTLE_WAIT_S, propagate=True)
+
+    def finish_teardowns(self) -> list[str]:
+        """Finish, in this thread, the teardowns this process left unfinished: its own
+        tombstones, whose teardown failed part-way or was never handed over (their owner is
+        alive, so gc leaves them to it, and a long-lived process must not leak them until it
+        ends). Returns the ids it tore down; each is logged, since it means a teardown
+        failed."""
+        me, done = os.getpid(), []
+        for sid in self._records.buried():
+            stone = self._records.read_tombstone(sid)
+            if stone is None or stone.owner_pid != me:
+                continue
+            if self._teardowns.run(sid, _SETTLE_WAIT_S):
+                _log.warning("sandbox %s (%s) had an unfinished teardown; finished it now",
+                             sid, stone.reason)
+                done.append(sid)
+        return done
 
     def _stop(self, sandbox_id: str, reason: str | None) -> bool:
         """The synchronous phase of a delete: afterwards the sandbox can no longer run or be
@@ -434,12 +468,19 @@ class Launcher:
             errors.append(exc)
         rec = self._records.read(sandbox_id)
         if rec is not None:
-            self.images.unpin(rec.image_digest, self._pin_owner(sandbox_id))
+            try:  # e.g. the store's lock held past its timeout: the mounts must still go
+                self.images.unpin(rec.image_digest, self._pin_owner(sandbox_id))
+            except SandboxError as exc:
+                errors.append(exc)
         for cg in procfs.cgroup_dirs(sandbox_id):
             with contextlib.suppress(OSError):
                 cg.rmdir()
         for leftover in self.runsc.root.glob(f"*{sandbox_id}*"):
-            leftover.unlink(missing_ok=True)
+            try:
+                leftover.unlink(missing_ok=True)
+            except OSError as exc:  # not a file: the mounts below must still go
+                errors.append(SandboxError(f"runsc left {leftover}: {exc}",
+                                           sandbox_id=sandbox_id))
         had_volumes = sdir.volumes.is_dir()
         for point in _mount.mounts_under(sdir.path):
             _mount.unmount(point)
@@ -489,11 +530,14 @@ class Launcher:
                 self._settle(sandbox_id)
 
     def drain(self) -> None:
-        """Wait for the background teardowns, at most ``_DRAIN_WAIT_S``."""
+        """Wait for the background teardowns, at most ``_DRAIN_WAIT_S``, then finish any
+        this process left unfinished."""
         if not self._teardowns.drain(_DRAIN_WAIT_S):
             _log.warning("sandbox teardowns still running after %gs; they go on in the "
                          "background, and gc() finishes what a dead process left",
                          _DRAIN_WAIT_S)
+            return
+        self.finish_teardowns()
 
     def unpin_stale(self, live: set[str]) -> None:
         """Drop this home's image pins of sandboxes that are gone. The store may be shared by

@@ -69,6 +69,7 @@ def gc(records: Records, launcher: Launcher, snapshots: SnapshotStore) -> list[s
     for sid, reason in dead:
         launcher.destroy(sid, reason=reason)
         removed.append(sid)
+    removed += launcher.finish_teardowns()  # this process's own, if one failed part-way
     try:
         containers = runsc.list()
     except SandboxError:

@@ -230,6 +230,11 @@ class Records:
         except ValueError:
             return Tombstone(reason="Deleted")
 
+    def buried(self) -> list[str]:
+        """Ids whose tombstone is on disk: teardowns not finished (by any process)."""
+        return sorted(n.removesuffix(_TOMBSTONE) for n in os.listdir(self.dir)
+                      if n.endswith(_TOMBSTONE) and ID_RE.match(n.removesuffix(_TOMBSTONE)))
+
     def unbury(self, sandbox_id: str) -> None:
         """Remove the tombstone: the last step of a finished teardown."""
         self._tombstone_path(sandbox_id).unlink(missing_ok=True)
