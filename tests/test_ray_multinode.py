@@ -173,18 +173,19 @@ def test_a_filesystem_image_starts_sandboxes_on_another_node(cluster):
             assert ray.get(kid.exec.remote("cat /work/f")).stdout == "shipped\n"
         # node 1 keeps its copy in its own home
         assert list((homes[1] / "fs-images" / nodes[0]).iterdir())
+        # handles found by listing know their node
+        assert {h.sandbox_id: h.node_id for h in api.list()} == {
+            s.sandbox_id: s.node_id for s in made}
+        # in use on node 1: refused, and no node's copy is deleted
+        ray.get(made[-1].terminate.remote())
+        with pytest.raises(ImageInUseError, match=nodes[1]):
+            api.delete_filesystem_image(ref)
+        assert list((homes[0] / "fs-images" / nodes[0]).iterdir())
+        made.append(api.create(**{**opts, "image": ref}, node_id=nodes[0]))
     finally:
         ray.get([s.terminate.remote() for s in made])
-        if ref is not None:
-            wait_until = time.monotonic() + 30
-            while True:  # a delete is fast, its teardown (unpinning the image) follows
-                try:
-                    api.delete_filesystem_image(ref)
-                    break
-                except ImageInUseError:
-                    if time.monotonic() > wait_until:
-                        raise
-                    time.sleep(0.2)
+        if ref is not None:  # at once: the teardowns' unpinning is finished first
+            api.delete_filesystem_image(ref)
     for home in homes:
         assert not any((home / "fs-images").rglob("blobs"))
 

@@ -41,7 +41,7 @@ def admit(t: SandboxTemplate, n: int, *, name: str | None = None,
             # slots freed by deletes are not in this process's view: ask the hosts once
             # (one call each) before waiting for Ray to find room
             asked = True
-            router.learn(b for _, blocks in ask_hosts("blocks") for b in blocks)
+            router.learn(b for _, _, blocks in ask_hosts("blocks") for b in blocks)
             chosen = router.place(t, len(todo))
         if not chosen:
             break

@@ -161,18 +161,18 @@ def resume(
 
 def get(name: str, *, namespace: str | None = None) -> SandboxHandle:
     """The handle of the named sandbox (searched on every node)."""
-    for h, found in ask_hosts("list", {NAME_LABEL: name}):
+    for node, h, found in ask_hosts("list", {NAME_LABEL: name}):
         if found:
-            return SandboxHandle(found[0][0], h, name=name)
+            return SandboxHandle(found[0][0], h, name=name, node_id=node)
     raise SandboxNotFoundError(f"no sandbox named {name!r}")
 
 
 def list(labels: Mapping[str, str] | None = None) -> builtins.list[SandboxHandle]:  # noqa: A001
     """Handles of every live sandbox in the cluster (optionally only those with ``labels``)."""
     out = []
-    for h, items in ask_hosts("list", dict(labels) if labels else None):
+    for node, h, items in ask_hosts("list", dict(labels) if labels else None):
         for sid, lbls in items:
-            out.append(SandboxHandle(sid, h, name=lbls.get(NAME_LABEL)))
+            out.append(SandboxHandle(sid, h, name=lbls.get(NAME_LABEL), node_id=node))
     return out
 
 
@@ -180,11 +180,11 @@ def shutdown() -> int:
     """Delete every sandbox on every node and stop the host actors; returns how many.
     Hosts on dead nodes are skipped (their node's next host reaps what they left)."""
     answered = ask_hosts("shutdown")
-    for h in all_hosts():  # also those that did not answer in time
+    for h in all_hosts().values():  # also those that did not answer in time
         ray.kill(h, no_restart=True)
     forget_hosts()
     router.forget()
-    return sum(n for _, n in answered)
+    return sum(n for _, _, n in answered)
 
 
 __all__ = ["create", "create_from_template", "create_many", "delete_filesystem_image",

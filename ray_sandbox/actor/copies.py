@@ -12,10 +12,10 @@ from typing import Any, NamedTuple
 
 import ray
 
-from ..runtime.errors import ConfigError, SandboxNotFoundError
+from ..runtime.errors import ConfigError, ImageInUseError, SandboxError, SandboxNotFoundError
 from ..runtime.snapshot import Snapshot
 from .host import DETACHED_LABEL, NAME_LABEL, SUSPENDED_LABEL, current_job
-from .hosts import ask_hosts, call_host
+from .hosts import all_hosts, ask_hosts, call_host
 from .placement import Placement, check_lifetime, copy_bundle, copy_node, remove_pg, reserve
 
 
@@ -98,7 +98,7 @@ def resume(key: str, *, placement: Placement = "any", timeout: float | None = No
 
 
 def _find_suspended(key: str) -> Snapshot:
-    for _, snap in ask_hosts("find_suspended", key):
+    for _, _, snap in ask_hosts("find_suspended", key):
         if snap is not None:
             return snap
     raise SandboxNotFoundError(f"no suspended sandbox {key!r}")
@@ -111,5 +111,13 @@ def delete_snapshot(snapshot: Snapshot) -> None:
 
 def delete_filesystem_image(ref: str) -> None:
     """Delete an image made by ``snapshot_filesystem`` from its node and every node that
-    fetched it. Idempotent; ImageInUseError while a sandbox uses it."""
-    ask_hosts("delete_filesystem_image", ref)
+    fetched it. Idempotent. ImageInUseError, with no copy deleted, while a sandbox on any
+    node runs from it; SandboxError if a host did not answer (its copy may remain)."""
+    users = sorted(node for node, _, used in ask_hosts("filesystem_image_in_use", ref) if used)
+    if users:
+        raise ImageInUseError(f"{ref} is in use by sandboxes on node(s) {users}")
+    asked = all_hosts()
+    answered = {node for node, _, _ in ask_hosts("delete_filesystem_image", ref)}
+    if missing := sorted(set(asked) - answered):
+        raise SandboxError(f"the hosts of node(s) {missing} did not answer; {ref} may remain "
+                           "there (delete it again)")

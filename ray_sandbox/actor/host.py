@@ -51,6 +51,7 @@ from .stock import Stock
 from .transfer import ImageImports, SnapshotImports, fetch, rechunk
 
 NAMESPACE = "ray_sandbox"
+HOST_PREFIX = "host-"  # a host actor's name: this, then its node's id
 NAME_LABEL = "ray-sandbox/name"
 SUSPENDED_LABEL = "ray-sandbox/suspended"  # snapshot label: id of the sandbox it suspends
 DETACHED_LABEL = "ray-sandbox/detached"  # snapshot label: the suspended sandbox was detached
@@ -449,6 +450,9 @@ class SandboxHost:
     def delete_filesystem_image(self, ref: str) -> None:
         self._rt.delete_filesystem_image(ref)
 
+    def filesystem_image_in_use(self, ref: str) -> bool:
+        return self._rt.filesystem_image_in_use(ref)
+
     def snapshot_stream(self, snapshot_id: str) -> Iterator[bytes]:
         """The snapshot's files as a tar stream (for a restore on another node)."""
         yield from self._rt.export_snapshot(snapshot_id)
@@ -596,7 +600,7 @@ _RemoteHost = ray.remote(SandboxHost)
 def start_host(node_id: str, home: str | None = None) -> Any:
     """The host actor of ``node_id``, started there if it does not exist yet."""
     return _RemoteHost.options(
-        name=f"host-{node_id}",
+        name=HOST_PREFIX + node_id,
         namespace=NAMESPACE,
         get_if_exists=True,
         lifetime="detached",

@@ -12,7 +12,7 @@ from typing import Any
 import ray
 
 from ..runtime.errors import HostRetiringError
-from .host import NAMESPACE, start_host
+from .host import HOST_PREFIX, NAMESPACE, start_host
 from .placement import node_alive, remove_pg
 
 _CALL_ATTEMPTS = 8  # a host retiring while called: try a fresh one, ~5 s in all
@@ -70,28 +70,32 @@ def _release(pg_hex: str | None) -> None:
         remove_pg(pg_hex)
 
 
-def all_hosts() -> list[Any]:
-    """Host actors of every node that has one."""
-    out = []
+def all_hosts() -> dict[str, Any]:
+    """Host actors of every node that has one, by node id."""
+    out = {}
     for info in ray.util.list_named_actors(all_namespaces=True):
-        if info.get("namespace") == NAMESPACE and info.get("name", "").startswith("host-"):
+        name = info.get("name", "")
+        if info.get("namespace") == NAMESPACE and name.startswith(HOST_PREFIX):
             try:
-                out.append(ray.get_actor(info["name"], namespace=NAMESPACE))
+                out[name.removeprefix(HOST_PREFIX)] = ray.get_actor(name, namespace=NAMESPACE)
             except ValueError:
                 continue
     return out
 
 
-def ask_hosts(method: str, *args: Any, timeout: float = 60.0) -> list[tuple[Any, Any]]:
-    """``method(*args)`` on every host, concurrently; (host, result) for each that answered.
-    Hosts that are dead or unreachable (their node died, they retired) are skipped."""
+def ask_hosts(method: str, *args: Any,
+              timeout: float = 60.0) -> list[tuple[str, Any, Any]]:
+    """``method(*args)`` on every host, concurrently; (node id, host, result) for each that
+    answered. Hosts that are dead or unreachable (their node died, they retired) are
+    skipped."""
     hosts = all_hosts()
-    refs = [getattr(h, method).remote(*args) for h in hosts]
+    refs = {node: getattr(h, method).remote(*args) for node, h in hosts.items()}
     out = []
     deadline = time.monotonic() + timeout
-    for h, ref in zip(hosts, refs, strict=True):
+    for node, ref in refs.items():
         try:
-            out.append((h, ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))))
+            out.append((node, hosts[node],
+                        ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))))
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
             log.info("a sandbox host did not answer %s: %s", method, type(exc).__name__)
     return out

@@ -460,6 +460,16 @@ class SandboxRuntime:
             fs_image.remove(scope, dest.name, self.home)
             raise
 
+    def filesystem_image_in_use(self, ref: str) -> bool:
+        """Whether a sandbox runs from this node's copy of the image (a sandbox deleted,
+        whose teardown is pending, does not: that teardown is finished first)."""
+        try:
+            digest = self.images.inspect(fs_image.local_ref(ref, self.home)).digest
+        except ImageNotFoundError:
+            return False
+        self._launcher.settle_pins(digest)
+        return bool(self.images.pins(digest))
+
     def delete_filesystem_image(self, ref: str) -> None:
         """Remove an image made by :meth:`snapshot_filesystem` (here, or fetched from another
         node) from the store and the disk. Idempotent; ImageInUseError while a sandbox of
