@@ -36,7 +36,7 @@ def serve(
     ] = 1,
     public_url: Annotated[str | None, typer.Option(
         help="where clients reach the service, for port URLs (also RAY_SANDBOX_API_PUBLIC_URL;"
-             " default http://HOST:PORT)")] = None,
+             " default: the base each request came to)")] = None,
 ) -> None:
     """Serve sandboxes over HTTP (/api/v1) on Ray Serve. Tokens: RAY_SANDBOX_API_TOKEN (one
     tenant), RAY_SANDBOX_API_TOKENS=tenant=token,... or --tokens-file."""

@@ -6,8 +6,8 @@
   (reachable only when that address is routable). Plain TCP.
 - ``encrypted_ports``: through the HTTP service (docs/service.md) named by
   ``RAY_SANDBOX_SERVICE_APP``: a signed, expiring URL for that sandbox and port, reached
-  wherever the service is. HTTP only; TLS is whatever fronts the service (``url`` says
-  which).
+  wherever the service is. HTTP by URL only; TLS is whatever fronts the service (``url``
+  says which).
 """
 
 from __future__ import annotations
@@ -96,7 +96,6 @@ class Tunnel:
 
     @property
     def tls_socket(self) -> tuple[str, int]:
-        if not self.url.startswith("https://"):
-            raise NotImplementedError("Tunnel.tls_socket: this tunnel has no TLS (an "
-                                      "unencrypted port, or a service served over HTTP)")
-        return self.host, self.port
+        # an unencrypted port has no TLS, and the service routes by the URL's path: a bare
+        # TLS socket to it would reach the service, not the sandbox's port
+        raise NotImplementedError("Tunnel.tls_socket: no TLS socket here; use url")

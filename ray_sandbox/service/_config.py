@@ -71,8 +71,15 @@ class ServiceConfig(BaseModel):
     max_port_url_seconds: float = Field(3600.0, gt=0, description="longest port URL life")
     public_url: str | None = Field(None, pattern=r"^https?://[^/?#]+(/[^?#]*)?$",
                                    description="where clients reach the service "
-                                   "(scheme://host[:port], before /api/v1): port URLs use it; "
-                                   "`start` sets it to its own address when unset")
+                                   "(scheme://host[:port], before /api/v1): port URLs use "
+                                   "it (else a tenant's own request's base)")
+    served_at: str | None = Field(None, description="set by `start`: where its proxy listens; "
+                                  "port URLs for Ray callers use it without public_url")
+
+    @field_validator("public_url")
+    @classmethod
+    def _no_slash(cls, v: str | None) -> str | None:
+        return v.rstrip("/") if v else v
     allow_host_network: bool = Field(False, description="network='host' shares the node's")
     allow_host_images: bool = Field(False, description="images named by a path of the node "
                                     "(oci:, oci-archive:, docker-archive:, dir:)")
@@ -167,7 +174,7 @@ def from_env(environ: Mapping[str, str] | None = None, *, tokens_file: Path | No
     if env.get("RAY_SANDBOX_API_SIGNING_KEY"):  # shared by replicas and restarts
         settings.setdefault("signing_key", env["RAY_SANDBOX_API_SIGNING_KEY"])
     if env.get("RAY_SANDBOX_API_PUBLIC_URL"):
-        settings.setdefault("public_url", env["RAY_SANDBOX_API_PUBLIC_URL"].rstrip("/"))
+        settings.setdefault("public_url", env["RAY_SANDBOX_API_PUBLIC_URL"])
     try:
         return ServiceConfig(tokens=tokens, quotas={ANY_TENANT: Quota(), **parsed},
                              **settings)

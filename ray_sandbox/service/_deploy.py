@@ -38,14 +38,17 @@ class SandboxService:
         expiring URL to ``port`` of a sandbox made through Ray, which no tenant owns (the
         Modal facade's ``encrypted_ports``; docs/service.md, "Ports of sandboxes made
         through Ray"). ``{url, token, expires_at}``, as the HTTP route answers."""
-        if self._config.public_url is None:
+        base = self._config.public_url or self._config.served_at
+        if base is None:
             raise ConfigError("the service has no public_url to put in port URLs "
                               "(RAY_SANDBOX_API_PUBLIC_URL, ServiceConfig.public_url)",
                               sandbox_id=sandbox.sandbox_id)
+        if sandbox.node_id is None:
+            raise ConfigError("this handle does not know its sandbox's node; get one from "
+                              "ray_sandbox.create, get or list", sandbox_id=sandbox.sandbox_id)
         published = (await self._sandboxes.call(sandbox.get_config.remote())).expose_ports
-        return _ports.ray_port_url(self._config, self._config.public_url + PREFIX,
-                                   sandbox.sandbox_id, sandbox.node_id, tuple(published),
-                                   port, ttl_seconds)
+        return _ports.ray_port_url(self._config, base + PREFIX, sandbox.sandbox_id,
+                                   sandbox.node_id, tuple(published), port, ttl_seconds)
 
 
 def application(config: ServiceConfig) -> Any:
@@ -62,9 +65,9 @@ def application(config: ServiceConfig) -> Any:
 def start(config: ServiceConfig, host: str = "127.0.0.1", port: int = 8000) -> str:
     """Start Serve's proxy on ``host:port`` and deploy the service (on the connected Ray
     cluster); returns its base URL."""
-    if config.public_url is None:
-        reach = ray.util.get_node_ip_address() if host in ("0.0.0.0", "::") else host
-        config = config.model_copy(update={"public_url": f"http://{reach}:{port}"})
+    reach = ray.util.get_node_ip_address() if host in ("0.0.0.0", "::") else host
+    reach = f"[{reach}]" if ":" in reach else reach  # an IPv6 address
+    config = config.model_copy(update={"served_at": f"http://{reach}:{port}"})
     serve.start(http_options={"host": host, "port": port})
     serve.run(application(config), name=APP_NAME, route_prefix="/", blocking=False)
     return f"http://{host}:{port}{PREFIX}"

@@ -11,7 +11,6 @@ shared books (``_state``). Used from the replica's event loop only; calls that b
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 import secrets
@@ -38,7 +37,7 @@ from . import _errors, _pty, _streams
 from ._config import ServiceConfig
 from ._models import ExecInfo, LinkInfo, SandboxInfo
 from ._quota import Charge, charge
-from ._state import FS_IMAGE, SNAPSHOT, Shared
+from ._state import FS_IMAGE, SNAPSHOT, Bounds, Shared
 from ._volumes import TenantVolumes
 
 log = logging.getLogger(__name__)
@@ -50,7 +49,11 @@ MEMORY_LABEL = "ray-sandbox/service-memory"
 PORTS_LABEL = "ray-sandbox/service-ports"  # its published ports, for port URLs after adoption
 IMAGE_LABEL = "ray-sandbox/service-image"  # the image as the tenant named it (not a host path)
 FS_IMAGE_SCHEME = "fs-image://"  # a tenant's filesystem image, by the id the service gave it
+# where a filesystem image lives on some node, as an error message may name it
+FS_IMAGE_PATH_RE = re.compile(r"(?:oci:)?[^\s'\"]*/fs-images/[^/\s'\"]+/[0-9a-f]{32}(?::image)?")
 ID_RE = re.compile(r"^[0-9a-f]{32}$")
+NODE_SEEN_S = 10.0  # how long a node seen alive is believed alive (port traffic)
+MAX_NODES_SEEN = 4096
 
 
 @dataclass(eq=False)
@@ -109,6 +112,7 @@ class Sandboxes:
         # exec or stream at most, so bounded by them
         self._reports: set[asyncio.Task[Any]] = set()
         self.volumes = TenantVolumes(config, self._blocking, state)
+        self._nodes_seen: dict[str, float] = {}  # node id -> when last seen alive
 
     async def _blocking(self, fn: Any, *args: Any) -> Any:
         return await anyio.to_thread.run_sync(fn, *args, limiter=self._threads)
@@ -243,8 +247,14 @@ class Sandboxes:
         """``node_id`` if the sandbox made through Ray (no tenant's) still runs there, asked
         of its host now for the reason ``alive`` gives; else 404."""
         gone = _errors.refusal(404, f"no sandbox {sandbox_id!r}")
-        if not await self._blocking(node_alive, node_id):
-            raise gone
+        # a port's traffic asks often: a node seen alive lately is not asked Ray's GCS again
+        # (a node that died since fails the host call below: 503)
+        if self._nodes_seen.get(node_id, 0.0) < time.monotonic() - NODE_SEEN_S:
+            if not await self._blocking(node_alive, node_id):
+                raise gone
+            if len(self._nodes_seen) >= MAX_NODES_SEEN:
+                self._nodes_seen.clear()
+            self._nodes_seen[node_id] = time.monotonic()
         host = await self._blocking(host_for_node, node_id)
         try:
             state = (await self.call(host.status.remote(sandbox_id))).state
@@ -333,6 +343,8 @@ class Sandboxes:
         except Exception as exc:  # a host or Ray failure: the entry must not stay pending
             log.warning("create of %s failed: %s", entry.api_id, exc)
             error = f"unavailable: {exc}"[:2000]
+        if error is not None and entry.image.startswith(FS_IMAGE_SCHEME):
+            error = FS_IMAGE_PATH_RE.sub(entry.image, error)  # the tenant's name, no host path
         if error is not None:
             entry.error = error  # the books keep it for GET; this replica forgets it
             self._entries.pop(entry.api_id, None)
@@ -475,35 +487,40 @@ class Sandboxes:
         (``fs-image://<id>``, on any node); the tenant's images are bounded."""
         image_id = await self._keep(
             FS_IMAGE, entry.tenant, entry.handle.snapshot_filesystem.remote,
-            lambda ref: (fs_image.parse(ref)[1], {"ref": ref, "source": entry.api_id}),
+            lambda ref: (fs_image.parse(ref)[1], {"ref": ref}),
             actor.delete_filesystem_image)
         return FS_IMAGE_SCHEME + image_id
 
     async def _keep(self, kind: str, tenant: str, take: Any, record: Any,
                     discard: Any) -> str:
         """Keep what ``take()`` (an ObjectRef) makes in the tenant's books as ``record``
-        says (key, value), or 429 when the tenant's limit of ``kind`` is reached. What is
-        made but not kept is discarded, also when it is made after its wait ran out."""
-        limit = self._config.max_snapshots if kind == SNAPSHOT else self._config.max_fs_images
+        says (key, value), or 429 when the tenant's limit of ``kind`` is reached. The take
+        and the keeping run in a task of their own: a request that gives up (its wait ran
+        out, its caller went away) leaves what is made kept and listed, never on a disk
+        with nothing naming it."""
+        limit = Bounds.of(self._config).limit(kind)
         if len(await self._state("kept_keys", kind, tenant)) >= limit:
             raise _errors.refusal(429, f"{limit} {kind}s kept, the limit; delete one")
-        made = asyncio.ensure_future(asyncio.wrap_future(take().future()))
-        try:
-            result = await asyncio.wait_for(asyncio.shield(made), self._config.call_timeout)
-        except TimeoutError:
-            self._reports.add(task := asyncio.ensure_future(self._discard_late(made, discard)))
-            task.add_done_callback(self._reported)
-            raise
-        key, value = record(result)
-        reason = await self._state("keep", kind, tenant, key, value)
-        if reason is not None:  # another replica kept one meanwhile
-            await self._blocking(discard, result)
-            raise _errors.refusal(429, reason)
+        task = asyncio.ensure_future(self._take_and_keep(kind, tenant, take, record, discard))
+        self._reports.add(task)
+        task.add_done_callback(self._reported)
+        key, refused = await asyncio.wait_for(asyncio.shield(task), self._config.create_timeout)
+        if refused is not None:
+            raise _errors.refusal(429, refused)
         return key
 
-    async def _discard_late(self, made: asyncio.Future[Any], discard: Any) -> None:
-        with contextlib.suppress(Exception):  # it failed: nothing was made
-            await self._blocking(discard, await made)
+    async def _take_and_keep(self, kind: str, tenant: str, take: Any, record: Any,
+                             discard: Any) -> tuple[str, str | None]:
+        # bounded by the host's own bounds on the take (bytes, the agent's timeouts), and
+        # here by twice the request's, so that no task waits forever on a lost host
+        made = await asyncio.wait_for(asyncio.wrap_future(take().future()),
+                                      2 * self._config.create_timeout)
+        key, value = record(made)
+        with anyio.CancelScope(shield=True):  # made: it is kept or discarded, whatever comes
+            refused = await self._state("keep", kind, tenant, key, value)
+            if refused is not None:  # another replica kept one meanwhile
+                await self._blocking(discard, made)
+        return key, refused
 
     async def kept(self, tenant: str, snapshot_id: str) -> dict[str, Any]:
         kept = await self._state("kept", SNAPSHOT, tenant, snapshot_id)

@@ -3,15 +3,16 @@ ledger, exec results, which streamed exec runs where, kept snapshots and filesys
 and recent deletes.
 
 With one replica they are a plain object in it; with more, one named, detached Ray actor
-per service app holds them (``ray_sandbox_service_state:<app>``, zero CPUs, restarted by
-Ray), and every replica calls it with a bound (``state_timeout``): an actor that does not
-answer is a 503, never a hang. :class:`Books` is plain data and asyncio only (its waits are
-events), so the same code runs in both places. Every table is bounded.
+per service app holds them (``ray_sandbox_service_state:<app>:v<version>``, zero CPUs,
+restarted by Ray), and every replica calls it with a bound (``state_timeout``): an actor
+that does not answer is a 503, never a hang. :class:`Books` is plain data and asyncio only
+(its waits are events), so the same code runs in both places. Every table is bounded.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import OrderedDict
@@ -36,6 +37,7 @@ MAX_TOMBSTONES = 4096  # recent deletes, so every replica answers 404 for them
 MAX_STREAMS = 4096  # streamed execs findable by another replica (a replica caps its own)
 MAX_RESULT_BYTES = 256 << 20  # output kept over every exec result (oldest finished evicted)
 GRACE = 60.0  # a create or exec past its own bound by this much lost its replica
+BOOKS_VERSION = 2  # raise it with every change to Books' methods or their meaning
 SNAPSHOT, FS_IMAGE = "snapshot", "filesystem image"  # the kinds of things a tenant keeps
 
 
@@ -53,6 +55,10 @@ class Bounds(BaseModel):
     @classmethod
     def of(cls, config: ServiceConfig) -> Bounds:
         return cls(**{k: getattr(config, k) for k in cls.model_fields})
+
+    def limit(self, kind: str) -> int:
+        """How many of ``kind`` (SNAPSHOT, FS_IMAGE) one tenant keeps."""
+        return self.max_snapshots if kind == SNAPSHOT else self.max_fs_images
 
 
 @dataclass(eq=False)
@@ -349,8 +355,7 @@ class Books:
         """Keep a snapshot or a filesystem image (``kind``) for the tenant (None), or why
         not: the tenant's limit of that kind is reached."""
         mine = self._kept.setdefault((kind, tenant), OrderedDict())
-        limit = self._b.max_snapshots if kind == SNAPSHOT else self._b.max_fs_images
-        if len(mine) >= limit:
+        if len(mine) >= self._b.limit(kind):
             return f"{len(mine)} {kind}s kept, the limit; delete one"
         mine[key] = kept
         return None
@@ -389,7 +394,13 @@ class Shared:
 
 
 def actor_name(app: str) -> str:
-    return f"ray_sandbox_service_state:{app}"
+    # versioned: replicas of a new release must not call an older release's books (an in-place
+    # RayService upgrade keeps the detached actor), whose methods may differ
+    return f"{_actor_prefix(app)}{BOOKS_VERSION}"
+
+
+def _actor_prefix(app: str) -> str:
+    return f"ray_sandbox_service_state:{app}:v"
 
 
 def connect(config: ServiceConfig, app: str | None) -> Shared:
@@ -406,7 +417,8 @@ def connect(config: ServiceConfig, app: str | None) -> Shared:
 
 def disconnect(app: str) -> None:
     """End the state actor of ``app`` (it is detached: nothing else ends it)."""
-    try:
-        ray.kill(ray.get_actor(actor_name(app), namespace=NAMESPACE))
-    except ValueError:
-        pass  # one replica: there is none
+    for info in ray.util.list_named_actors(all_namespaces=True):  # older releases' too
+        name = info.get("name", "")
+        if info.get("namespace") == NAMESPACE and name.startswith(_actor_prefix(app)):
+            with contextlib.suppress(ValueError):  # gone meanwhile
+                ray.kill(ray.get_actor(name, namespace=NAMESPACE))

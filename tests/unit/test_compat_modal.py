@@ -59,7 +59,8 @@ def test_encrypted_ports_are_published_and_go_through_the_service(monkeypatch):
     with pytest.raises(NotImplementedError, match="RAY_SANDBOX_SERVICE_APP"):
         modal.Sandbox.create(encrypted_ports=[443])  # refused before anything is made
     served = modal.Tunnel("svc.example", 443, url="https://svc.example/api/v1/ports/x/1/t/")
-    assert served.tls_socket == ("svc.example", 443)
+    with pytest.raises(NotImplementedError, match="use url"):
+        _ = served.tls_socket  # it would reach the service, not the port
     with pytest.raises(modal.exception.InvalidError, match="unencrypted"):
         _ = served.tcp_socket
 

@@ -147,3 +147,13 @@ def test_port_urls_of_ray_sandboxes_name_no_tenant_and_only_published_ports():
         ray_port_url(config, "", "a" * 32, "node-1", (8080,), 9, ttl=None)
     with pytest.raises(ConfigError, match="public_url"):
         from_env({"RAY_SANDBOX_API_TOKEN": "token-0123456789"}, public_url="svc.example")
+
+
+def test_error_messages_name_a_tenants_filesystem_image_not_its_host_path():
+    from ray_sandbox.service._sandboxes import FS_IMAGE_PATH_RE
+
+    image_id = "0123456789abcdef" * 2
+    text = (f"image_not_found: 'oci:/var/lib/rsb/fs-images/node1/{image_id}:image' is not "
+            f"in the image store; fetched to /home/x/fs-images/node1/{image_id}")
+    assert FS_IMAGE_PATH_RE.sub("fs-image://i", text) == (
+        "image_not_found: 'fs-image://i' is not in the image store; fetched to fs-image://i")
