@@ -96,7 +96,7 @@ def test_a_caller_on_another_node_uses_ray(ray_cluster, sb):
 
 def test_handles_from_list_and_get_use_it_too(ray_cluster, sb):
     found = next(h for h in sandbox.list() if h.sandbox_id == sb.sandbox_id)
-    assert found.node_id is None  # list() does not say where; the channel asks the host
+    assert found.node_id == sb.node_id  # list() names the node (ask_hosts)
     channel.forget(found._host)
     assert channel.client_for(found._host) is not None
     assert found.run("echo listed").stdout == "listed\n"

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from ray_sandbox.runtime.bundle import CPU_PERIOD_US
+from tests.fx_hostile import heavy
 
 CGROUP = Path("/sys/fs/cgroup")
 WINDOW_S = 10.0
@@ -38,6 +39,7 @@ def test_boot_runs_on_one_core_then_the_cgroup_carries_the_share(runtime):
         runtime.delete(sid)
 
 
+@heavy  # a 10-second measurement; the cgroup's quota is checked by the tests above
 def test_busy_loop_gets_at_most_its_share_over_10s(runtime):
     sid = runtime.create(image="ray-sandbox/busybox", memory="64Mi", cpu=0.1)
     usage = CGROUP / "cpuacct" / sid / "cpuacct.usage"

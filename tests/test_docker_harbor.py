@@ -102,6 +102,7 @@ def builds_now(image_store) -> set[Path]:
     return set(builds.iterdir()) if builds.is_dir() else set()
 
 
+@heavy  # 23 s: a docker build in gVisor, then a trial; test_docker.py builds one too
 def test_dockerfile_task_is_built_in_gvisor_and_trialled(docker_image, image_store):
     builds = image_store.root.parent / "builds"
     before = builds_now(image_store)

@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.fx_hostile import heavy
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@heavy  # 50 s: two Ray clusters and services (one with direct ingress)
 def test_bench_service_runs_with_one_rep():
     code = "import json; from benchmarks.bench_service import run; print(json.dumps(run(1, True)))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
