@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ..runtime.volumes import VolumeInfo
 from . import _archives, _errors, _ports
 from ._config import ServiceConfig
+from ._kept import FS_IMAGE_SCHEME
 from ._models import (
     Copies,
     Created,
@@ -36,7 +37,7 @@ from ._models import (
     Signal,
     check_path,
 )
-from ._sandboxes import FS_IMAGE_SCHEME, Sandboxes, make_options
+from ._sandboxes import Sandboxes, make_options
 from ._state import connect
 
 PREFIX = "/api/v1"
@@ -325,7 +326,8 @@ def build_app(config: ServiceConfig, sandboxes: Sandboxes | None = None) -> Any:
     async def snapshot(request: Request, sandbox_id: str) -> dict[str, str]:
         """Snapshot a running sandbox; it keeps running."""
         entry = await sandboxes.running(tenant(request), sandbox_id)
-        return {"snapshot_id": await sandboxes.snapshot(entry)}
+        return {"snapshot_id": await sandboxes.kept.snapshot(entry.tenant, entry.handle,
+                                                            entry.source())}
 
     @app.post(f"{PREFIX}/volumes", status_code=201)
     async def create_volume(request: Request, body: CreateVolume) -> VolumeInfo:
@@ -345,25 +347,25 @@ def build_app(config: ServiceConfig, sandboxes: Sandboxes | None = None) -> Any:
         """The sandbox's files (not its processes) as an image only this tenant creates
         sandboxes from: ``{"image": "fs-image://<id>"}``, for ``POST /sandboxes``."""
         entry = await sandboxes.running(tenant(request), sandbox_id)
-        return {"image": await sandboxes.fs_image(entry)}
+        return {"image": await sandboxes.kept.fs_image(entry.tenant, entry.handle)}
 
     @app.get(f"{PREFIX}/filesystem-images")
     async def list_filesystem_images(request: Request) -> dict[str, list[str]]:
-        return {"images": await sandboxes.fs_images(tenant(request))}
+        return {"images": await sandboxes.kept.fs_images(tenant(request))}
 
     @app.delete(f"{PREFIX}/filesystem-images/{{image_id}}")
     async def delete_filesystem_image(request: Request, image_id: str) -> dict[str, str]:
         """Idempotent; 409 while a sandbox runs from it."""
-        await sandboxes.delete_fs_image(tenant(request), image_id)
+        await sandboxes.kept.delete_fs_image(tenant(request), image_id)
         return {"image": FS_IMAGE_SCHEME + image_id, "status": "deleted"}
 
     @app.get(f"{PREFIX}/snapshots")
     async def list_snapshots(request: Request) -> dict[str, list[str]]:
-        return {"snapshots": await sandboxes.snapshots(tenant(request))}
+        return {"snapshots": await sandboxes.kept.snapshots(tenant(request))}
 
     @app.delete(f"{PREFIX}/snapshots/{{snapshot_id}}")
     async def delete_snapshot(request: Request, snapshot_id: str) -> dict[str, str]:
-        await sandboxes.delete_snapshot(tenant(request), snapshot_id)
+        await sandboxes.kept.delete_snapshot(tenant(request), snapshot_id)
         return {"snapshot_id": snapshot_id, "status": "deleted"}
 
     @app.post(f"{PREFIX}/snapshots/{{snapshot_id}}/restore", status_code=201)

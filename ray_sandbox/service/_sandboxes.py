@@ -6,6 +6,11 @@ starts so ``POST`` can answer at once; its tenant and charge are labels on it, s
 replica adopts what its predecessor made. What every replica must agree on lives in the
 shared books (``_state``). Used from the replica's event loop only; calls that block
 (create, listing) run in a bounded set of threads.
+
+(~700 lines: finding and adopting, create and delete under the quota, links, copies and
+execs all act on the same entries, handles and replica-local tasks, so they stay together;
+what stands apart is apart: the books (``_state``), volumes (``_volumes``), snapshots and
+filesystem images (``_kept``), streamed output (``_streams``) and the terminal (``_pty``).)
 """
 
 from __future__ import annotations
@@ -28,16 +33,16 @@ from fastapi import HTTPException
 from .. import actor
 from ..actor.hosts import host_for_node
 from ..actor.placement import node_alive
-from ..runtime import fs_image
 from ..runtime.config import SandboxConfig
 from ..runtime.errors import ImageReferenceError, SandboxError, SandboxNotFoundError
 from ..runtime.images import parse_reference
 from ..runtime.results import ExecResult, SandboxState
 from . import _errors, _pty, _streams
 from ._config import ServiceConfig
+from ._kept import FS_IMAGE_PATH_RE, FS_IMAGE_SCHEME, TenantKept
 from ._models import ExecInfo, LinkInfo, SandboxInfo
 from ._quota import Charge, charge
-from ._state import FS_IMAGE, SNAPSHOT, Bounds, Shared
+from ._state import Shared
 from ._volumes import TenantVolumes
 
 log = logging.getLogger(__name__)
@@ -48,9 +53,6 @@ CPU_LABEL = "ray-sandbox/service-cpu"
 MEMORY_LABEL = "ray-sandbox/service-memory"
 PORTS_LABEL = "ray-sandbox/service-ports"  # its published ports, for port URLs after adoption
 IMAGE_LABEL = "ray-sandbox/service-image"  # the image as the tenant named it (not a host path)
-FS_IMAGE_SCHEME = "fs-image://"  # a tenant's filesystem image, by the id the service gave it
-# where a filesystem image lives on some node, as an error message may name it
-FS_IMAGE_PATH_RE = re.compile(r"(?:oci:)?[^\s'\"]*/fs-images/[^/\s'\"]+/[0-9a-f]{32}(?::image)?")
 ID_RE = re.compile(r"^[0-9a-f]{32}$")
 NODE_SEEN_S = 10.0  # how long a node seen alive is believed alive (port traffic)
 MAX_NODES_SEEN = 4096
@@ -80,6 +82,11 @@ class Entry:
     deleted: bool = False
     execs: OrderedDict[str, Exec] = field(default_factory=OrderedDict)  # run by this replica
     streams: dict[str, _streams.Stream] = field(default_factory=dict)  # read by this replica
+
+    def source(self) -> dict[str, Any]:
+        """What copies of it get: its charge, image and labels (a snapshot keeps these)."""
+        return {"cpu": self.charge.cpu, "memory": self.charge.memory, "image": self.image,
+                "labels": self.labels}
 
 
 def user_labels(labels: Mapping[str, str]) -> dict[str, str]:
@@ -112,6 +119,7 @@ class Sandboxes:
         # exec or stream at most, so bounded by them
         self._reports: set[asyncio.Task[Any]] = set()
         self.volumes = TenantVolumes(config, self._blocking, state)
+        self.kept = TenantKept(config, state, self._blocking, self._track)
         self._nodes_seen: dict[str, float] = {}  # node id -> when last seen alive
 
     async def _blocking(self, fn: Any, *args: Any) -> Any:
@@ -119,14 +127,18 @@ class Sandboxes:
 
     def _report(self, method: str, *args: Any) -> asyncio.Task[Any]:
         task = asyncio.ensure_future(self._state(method, *args))
-        self._reports.add(task)
-        task.add_done_callback(self._reported)
+        self._track(task)
         return task
 
-    def _reported(self, task: asyncio.Task[Any]) -> None:
+    def _track(self, task: asyncio.Task[Any]) -> None:
+        """A task nobody awaits to its end (a report, a take): shutdown waits for it."""
+        self._reports.add(task)
+        task.add_done_callback(self._tracked)
+
+    def _tracked(self, task: asyncio.Task[Any]) -> None:
         self._reports.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            log.warning("a report to the service's books failed: %s", task.exception())
+            log.warning("a background task of the service failed: %s", task.exception())
 
     # --- finding ---------------------------------------------------------------------------
 
@@ -278,7 +290,7 @@ class Sandboxes:
         image, shown = options.get("image"), None
         if isinstance(image, str) and image.startswith(FS_IMAGE_SCHEME):
             shown = image
-            options = {**options, "image": await self._fs_image_ref(tenant, image)}
+            options = {**options, "image": await self.kept.fs_image_ref(tenant, image)}
         elif isinstance(image, str) and not self._config.allow_host_images:
             try:
                 from_host = parse_reference(image).reads_host_files
@@ -307,14 +319,6 @@ class Sandboxes:
         entry.creating = asyncio.ensure_future(self._create(entry, {**options,
                                                                      "labels": ray_labels}))
         return entry
-
-    async def _fs_image_ref(self, tenant: str, name: str) -> str:
-        """The host's reference of the tenant's filesystem image ``name``; anyone else's is
-        not found either."""
-        kept = await self._state("kept", FS_IMAGE, tenant, name.removeprefix(FS_IMAGE_SCHEME))
-        if kept is None:
-            raise _errors.refusal(400, f"no filesystem image {name!r}")
-        return kept["ref"]
 
     async def _admit(self, tenant: str, keys: list[str], cost: Charge,
                      pending: dict[str, Any] | None = None) -> None:
@@ -473,82 +477,9 @@ class Sandboxes:
             raise
         await self.call(entry.handle.unlink.remote(to.handle, port))
 
-    async def snapshot(self, entry: Entry) -> str:
-        """Snapshot a running sandbox (it keeps running); the tenant's snapshots are bounded."""
-        return await self._keep(
-            SNAPSHOT, entry.tenant, entry.handle.snapshot.remote,
-            lambda snap: (snap.snapshot_id, {
-                "snapshot": snap, "cpu": entry.charge.cpu, "memory": entry.charge.memory,
-                "image": entry.image, "labels": entry.labels}),
-            actor.delete_snapshot)
-
-    async def fs_image(self, entry: Entry) -> str:
-        """The running sandbox's files as an image only this tenant creates sandboxes from
-        (``fs-image://<id>``, on any node); the tenant's images are bounded."""
-        image_id = await self._keep(
-            FS_IMAGE, entry.tenant, entry.handle.snapshot_filesystem.remote,
-            lambda ref: (fs_image.parse(ref)[1], {"ref": ref}),
-            actor.delete_filesystem_image)
-        return FS_IMAGE_SCHEME + image_id
-
-    async def _keep(self, kind: str, tenant: str, take: Any, record: Any,
-                    discard: Any) -> str:
-        """Keep what ``take()`` (an ObjectRef) makes in the tenant's books as ``record``
-        says (key, value), or 429 when the tenant's limit of ``kind`` is reached. The take
-        and the keeping run in a task of their own: a request that gives up (its wait ran
-        out, its caller went away) leaves what is made kept and listed, never on a disk
-        with nothing naming it."""
-        limit = Bounds.of(self._config).limit(kind)
-        if len(await self._state("kept_keys", kind, tenant)) >= limit:
-            raise _errors.refusal(429, f"{limit} {kind}s kept, the limit; delete one")
-        task = asyncio.ensure_future(self._take_and_keep(kind, tenant, take, record, discard))
-        self._reports.add(task)
-        task.add_done_callback(self._reported)
-        key, refused = await asyncio.wait_for(asyncio.shield(task), self._config.create_timeout)
-        if refused is not None:
-            raise _errors.refusal(429, refused)
-        return key
-
-    async def _take_and_keep(self, kind: str, tenant: str, take: Any, record: Any,
-                             discard: Any) -> tuple[str, str | None]:
-        # bounded by the host's own bounds on the take (bytes, the agent's timeouts), and
-        # here by twice the request's, so that no task waits forever on a lost host
-        made = await asyncio.wait_for(asyncio.wrap_future(take().future()),
-                                      2 * self._config.create_timeout)
-        key, value = record(made)
-        with anyio.CancelScope(shield=True):  # made: it is kept or discarded, whatever comes
-            refused = await self._state("keep", kind, tenant, key, value)
-            if refused is not None:  # another replica kept one meanwhile
-                await self._blocking(discard, made)
-        return key, refused
-
-    async def kept(self, tenant: str, snapshot_id: str) -> dict[str, Any]:
-        kept = await self._state("kept", SNAPSHOT, tenant, snapshot_id)
-        if kept is None:
-            raise _errors.refusal(404, f"no snapshot {snapshot_id!r}")
-        return kept
-
-    async def snapshots(self, tenant: str) -> list[str]:
-        return await self._state("kept_keys", SNAPSHOT, tenant)
-
-    async def fs_images(self, tenant: str) -> list[str]:
-        return [FS_IMAGE_SCHEME + k for k in await self._state("kept_keys", FS_IMAGE, tenant)]
-
-    async def delete_snapshot(self, tenant: str, snapshot_id: str) -> None:
-        kept = await self._state("drop", SNAPSHOT, tenant, snapshot_id)
-        if kept is not None:  # else idempotent, like a sandbox's delete
-            await self._blocking(actor.delete_snapshot, kept["snapshot"])
-
-    async def delete_fs_image(self, tenant: str, image_id: str) -> None:
-        """Idempotent; 409 while a sandbox uses it (and then it is kept)."""
-        kept = await self._state("kept", FS_IMAGE, tenant, image_id)
-        if kept is not None:
-            await self._blocking(actor.delete_filesystem_image, kept["ref"])
-            await self._state("drop", FS_IMAGE, tenant, image_id)
-
     async def restore(self, tenant: str, snapshot_id: str, count: int) -> list[str]:
         """``count`` running copies of a snapshot (all or none), charged like their source."""
-        kept = await self.kept(tenant, snapshot_id)
+        kept = await self.kept.snapshot_record(tenant, snapshot_id)
         return await self._copies(
             tenant, Charge(kept["cpu"], kept["memory"]), kept["image"], kept["labels"], count,
             partial(actor.restore, kept["snapshot"], count,

@@ -150,7 +150,7 @@ def test_port_urls_of_ray_sandboxes_name_no_tenant_and_only_published_ports():
 
 
 def test_error_messages_name_a_tenants_filesystem_image_not_its_host_path():
-    from ray_sandbox.service._sandboxes import FS_IMAGE_PATH_RE
+    from ray_sandbox.service._kept import FS_IMAGE_PATH_RE
 
     image_id = "0123456789abcdef" * 2
     text = (f"image_not_found: 'oci:/var/lib/rsb/fs-images/node1/{image_id}:image' is not "

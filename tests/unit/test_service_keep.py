@@ -8,69 +8,85 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+from typing import Any
 
 import pytest
 
 from ray_sandbox.service import from_env
-from ray_sandbox.service._sandboxes import Sandboxes
+from ray_sandbox.service._kept import TenantKept
 from ray_sandbox.service._state import FS_IMAGE, Books, Bounds, Shared
 
 
 class Take:
-    """A host call that finishes when the test says so."""
+    """A host call that finishes when the test says so; ``started`` once it was asked."""
 
     def __init__(self) -> None:
         self.done: concurrent.futures.Future[str] = concurrent.futures.Future()
+        self.started = asyncio.Event()
 
     def __call__(self) -> Take:
+        self.started.set()
         return self
 
     def future(self) -> concurrent.futures.Future[str]:
         return self.done
 
 
-def _sandboxes(**settings) -> tuple[Sandboxes, Books]:
-    config = from_env({"RAY_SANDBOX_API_TOKEN": "token-0123456789"}, **settings)
-    books = Books(Bounds.of(config))
-    return Sandboxes(config, Shared(books=books)), books
+class Kept:
+    """TenantKept over its own books, with the tasks it leaves running in view."""
 
+    def __init__(self, **settings: Any) -> None:
+        config = from_env({"RAY_SANDBOX_API_TOKEN": "token-0123456789"}, **settings)
+        self.books = Books(Bounds.of(config))
+        self.tasks: set[asyncio.Task[Any]] = set()
+        self.discarded: list[str] = []
 
-def _keep(sb: Sandboxes, take: Take, discarded: list[str]):
-    return sb._keep(FS_IMAGE, "t", take, lambda made: (made, {"ref": made}), discarded.append)
+        async def blocking(fn: Any, *args: Any) -> Any:
+            return fn(*args)
+
+        self.kept = TenantKept(config, Shared(books=self.books), blocking, self.tasks.add)
+
+    def take(self, take: Take):
+        return self.kept._keep(FS_IMAGE, "t", take, lambda made: (made, {"ref": made}),
+                               self.discarded.append)
+
+    async def settled(self) -> None:
+        await asyncio.wait_for(asyncio.gather(*self.tasks), 5)
 
 
 def test_a_take_finished_after_its_request_gave_up_is_kept():
     async def main() -> None:
-        sb, books = _sandboxes(create_timeout=0.05)
-        take, discarded = Take(), []
+        k = Kept(create_timeout=0.05)
+        take = Take()
         with pytest.raises(TimeoutError):
-            await _keep(sb, take, discarded)
+            await k.take(take)
         take.done.set_result("late")
-        await asyncio.wait_for(asyncio.gather(*sb._reports), 5)
-        assert await books.kept_keys(FS_IMAGE, "t") == ["late"] and discarded == []
+        await k.settled()
+        assert await k.books.kept_keys(FS_IMAGE, "t") == ["late"] and k.discarded == []
 
-        cancelled = asyncio.ensure_future(_keep(sb, take := Take(), discarded))
-        await asyncio.sleep(0.01)
-        cancelled.cancel()  # the caller went away
+        request = asyncio.ensure_future(k.take(take := Take()))
+        await asyncio.wait_for(take.started.wait(), 5)
+        request.cancel()  # the caller went away
         take.done.set_result("orphan")
-        await asyncio.wait_for(asyncio.gather(*sb._reports), 5)
-        assert await books.kept_keys(FS_IMAGE, "t") == ["late", "orphan"]
+        await k.settled()
+        assert await k.books.kept_keys(FS_IMAGE, "t") == ["late", "orphan"]
 
     asyncio.run(main())
 
 
 def test_what_the_limit_refuses_after_the_take_is_discarded():
     async def main() -> None:
-        sb, books = _sandboxes(max_fs_images=1)
-        first, second, discarded = Take(), Take(), []
-        one = asyncio.ensure_future(_keep(sb, first, discarded))
-        two = asyncio.ensure_future(_keep(sb, second, discarded))  # both pass the first look
-        await asyncio.sleep(0.01)
+        k = Kept(max_fs_images=1)
+        first, second = Take(), Take()
+        one = asyncio.ensure_future(k.take(first))
+        two = asyncio.ensure_future(k.take(second))
+        # both passed the first look at the limit before either was kept
+        await asyncio.wait_for(asyncio.gather(first.started.wait(), second.started.wait()), 5)
         first.done.set_result("a")
         assert await one == "a"
         second.done.set_result("b")
         with pytest.raises(Exception, match="1 filesystem images kept"):
             await two
-        assert discarded == ["b"] and await books.kept_keys(FS_IMAGE, "t") == ["a"]
+        assert k.discarded == ["b"] and await k.books.kept_keys(FS_IMAGE, "t") == ["a"]
 
     asyncio.run(main())

@@ -1,0 +1,116 @@
+"""What each tenant keeps: snapshots (memory, processes and files, for restore) and filesystem
+images (files only, ``fs-image://<id>``, for later creates). Both live in the shared books by
+kind (``_state``), bounded per tenant (``max_snapshots``, ``max_fs_images``), and are the
+tenant's alone: another tenant's id is not found, as one that does not exist. Taking one runs
+in a task of its own, so a request that gives up leaves what is made kept and listed, never on
+a disk with nothing naming it. Blocking calls run in the caller's threads (``blocking``)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+
+from .. import actor
+from ..runtime import fs_image
+from . import _errors
+from ._config import ServiceConfig
+from ._state import FS_IMAGE, SNAPSHOT, Bounds, Shared
+
+FS_IMAGE_SCHEME = "fs-image://"  # a tenant's filesystem image, by the id the service gave it
+# where a filesystem image lives on some node, as an error message may name it
+FS_IMAGE_PATH_RE = re.compile(r"(?:oci:)?[^\s'\"]*/fs-images/[^/\s'\"]+/[0-9a-f]{32}(?::image)?")
+
+Blocking = Callable[..., Awaitable[Any]]
+
+
+class TenantKept:
+    """The tenants' snapshots and filesystem images, through the shared books."""
+
+    def __init__(self, config: ServiceConfig, state: Shared, blocking: Blocking,
+                 track: Callable[[asyncio.Task[Any]], None]) -> None:
+        self._config = config
+        self._state = state
+        self._blocking = blocking
+        self._track = track  # the replica's set of background tasks (bounded by requests)
+
+    # --- taking ------------------------------------------------------------------------------
+
+    async def snapshot(self, tenant: str, handle: Any, source: dict[str, Any]) -> str:
+        """Snapshot a running sandbox (it keeps running); ``source`` is what its copies get
+        (charge, image, labels)."""
+        return await self._keep(SNAPSHOT, tenant, handle.snapshot.remote,
+                                lambda snap: (snap.snapshot_id, {"snapshot": snap, **source}),
+                                actor.delete_snapshot)
+
+    async def fs_image(self, tenant: str, handle: Any) -> str:
+        """The running sandbox's files as an image only this tenant creates sandboxes from
+        (``fs-image://<id>``, on any node)."""
+        image_id = await self._keep(FS_IMAGE, tenant, handle.snapshot_filesystem.remote,
+                                    lambda ref: (fs_image.parse(ref)[1], {"ref": ref}),
+                                    actor.delete_filesystem_image)
+        return FS_IMAGE_SCHEME + image_id
+
+    async def _keep(self, kind: str, tenant: str, take: Any, record: Any,
+                    discard: Any) -> str:
+        """Keep what ``take()`` (an ObjectRef) makes in the tenant's books as ``record``
+        says (key, value), or 429 when the tenant's limit of ``kind`` is reached."""
+        limit = Bounds.of(self._config).limit(kind)
+        if len(await self._state("kept_keys", kind, tenant)) >= limit:
+            raise _errors.refusal(429, f"{limit} {kind}s kept, the limit; delete one")
+        task = asyncio.ensure_future(self._take_and_keep(kind, tenant, take, record, discard))
+        self._track(task)
+        key, refused = await asyncio.wait_for(asyncio.shield(task), self._config.create_timeout)
+        if refused is not None:
+            raise _errors.refusal(429, refused)
+        return key
+
+    async def _take_and_keep(self, kind: str, tenant: str, take: Any, record: Any,
+                             discard: Any) -> tuple[str, str | None]:
+        # bounded by the host's own bounds on the take (bytes, the agent's timeouts), and
+        # here by twice the request's, so that no task waits forever on a lost host
+        made = await asyncio.wait_for(asyncio.wrap_future(take().future()),
+                                      2 * self._config.create_timeout)
+        key, value = record(made)
+        with anyio.CancelScope(shield=True):  # made: it is kept or discarded, whatever comes
+            refused = await self._state("keep", kind, tenant, key, value)
+            if refused is not None:  # another replica kept one meanwhile
+                await self._blocking(discard, made)
+        return key, refused
+
+    # --- finding and deleting --------------------------------------------------------------
+
+    async def snapshot_record(self, tenant: str, snapshot_id: str) -> dict[str, Any]:
+        kept = await self._state("kept", SNAPSHOT, tenant, snapshot_id)
+        if kept is None:
+            raise _errors.refusal(404, f"no snapshot {snapshot_id!r}")
+        return kept
+
+    async def fs_image_ref(self, tenant: str, name: str) -> str:
+        """The host's reference of the tenant's filesystem image ``name``; anyone else's is
+        not found either."""
+        kept = await self._state("kept", FS_IMAGE, tenant, name.removeprefix(FS_IMAGE_SCHEME))
+        if kept is None:
+            raise _errors.refusal(400, f"no filesystem image {name!r}")
+        return kept["ref"]
+
+    async def snapshots(self, tenant: str) -> list[str]:
+        return await self._state("kept_keys", SNAPSHOT, tenant)
+
+    async def fs_images(self, tenant: str) -> list[str]:
+        return [FS_IMAGE_SCHEME + k for k in await self._state("kept_keys", FS_IMAGE, tenant)]
+
+    async def delete_snapshot(self, tenant: str, snapshot_id: str) -> None:
+        kept = await self._state("drop", SNAPSHOT, tenant, snapshot_id)
+        if kept is not None:  # else idempotent, like a sandbox's delete
+            await self._blocking(actor.delete_snapshot, kept["snapshot"])
+
+    async def delete_fs_image(self, tenant: str, image_id: str) -> None:
+        """Idempotent; 409 while a sandbox on any node runs from it (and then it is kept)."""
+        kept = await self._state("kept", FS_IMAGE, tenant, image_id)
+        if kept is not None:
+            await self._blocking(actor.delete_filesystem_image, kept["ref"])
+            await self._state("drop", FS_IMAGE, tenant, image_id)
