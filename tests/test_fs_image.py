@@ -78,6 +78,8 @@ def test_a_root_over_the_bound_is_refused_and_leaves_nothing(fs_rt, rt_home):
 def test_only_filesystem_images_can_be_deleted_that_way(fs_rt):
     with pytest.raises(ConfigError):
         fs_rt.delete_filesystem_image("ray-sandbox/busybox")
+    with pytest.raises(ConfigError):  # not "in use" by the sandboxes of any other image
+        fs_rt.filesystem_image_in_use("ray-sandbox/busybox")
 
 
 def test_refs_and_mount_points_parse(tmp_path):

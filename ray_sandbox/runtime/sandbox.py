@@ -465,25 +465,35 @@ class SandboxRuntime:
     def filesystem_image_in_use(self, ref: str) -> bool:
         """Whether a sandbox runs from this node's copy of the image (a sandbox deleted,
         whose teardown is pending, does not: that teardown is finished first)."""
-        try:
-            digest = self.images.inspect(fs_image.local_ref(ref, self.home)).digest
-        except ImageNotFoundError:
-            return False
-        self._launcher.settle_pins(digest)
-        return bool(self.images.pins(digest))
+        digest = self._settled_fs_image(ref)
+        return digest is not None and bool(self.images.pins(digest))
 
     def delete_filesystem_image(self, ref: str) -> None:
         """Remove an image made by :meth:`snapshot_filesystem` (here, or fetched from another
         node) from the store and the disk. Idempotent; ImageInUseError while a sandbox of
         this node uses it."""
+        scope, image_id = self._fs_image(ref)
+        if self._settled_fs_image(ref) is not None:
+            with contextlib.suppress(ImageNotFoundError):  # removed meanwhile
+                self.images.remove(fs_image.local_ref(ref, self.home))
+        fs_image.remove(scope, image_id, self.home)
+
+    def _fs_image(self, ref: str) -> tuple[str, str]:
         parsed = fs_image.parse(ref)
         if parsed is None:
             raise ConfigError(f"{ref!r} is not a filesystem image")
-        local = fs_image.local_ref(ref, self.home)
-        with contextlib.suppress(ImageNotFoundError):
-            self._launcher.settle_pins(self.images.inspect(local).digest)
-            self.images.remove(local)
-        fs_image.remove(*parsed, self.home)
+        return parsed
+
+    def _settled_fs_image(self, ref: str) -> str | None:
+        """The digest of this node's copy of the filesystem image (None: it has none), once
+        the pending teardowns of deleted sandboxes that pin it are finished."""
+        self._fs_image(ref)
+        try:
+            digest = self.images.inspect(fs_image.local_ref(ref, self.home)).digest
+        except ImageNotFoundError:
+            return None
+        self._launcher.settle_pins(digest)
+        return digest
 
     def oom_killed(self, sandbox_id: str) -> bool:
         """Whether the kernel OOM-killed a process of this sandbox (its memory cgroup's
