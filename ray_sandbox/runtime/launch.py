@@ -529,6 +529,10 @@ class Launcher:
             if owner.startswith(self._pin_prefix) and ID_RE.match(sandbox_id):
                 self._settle(sandbox_id)
 
+    def pinned_here(self, digest: str) -> bool:
+        """Whether a sandbox of this home pins ``digest`` (the store may be shared)."""
+        return any(o.startswith(self._pin_prefix) for o in self.images.pins(digest))
+
     def drain(self) -> None:
         """Wait for the background teardowns, at most ``_DRAIN_WAIT_S``, then finish any
         this process left unfinished."""

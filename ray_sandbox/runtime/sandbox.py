@@ -463,10 +463,11 @@ class SandboxRuntime:
             raise
 
     def filesystem_image_in_use(self, ref: str) -> bool:
-        """Whether a sandbox runs from this node's copy of the image (a sandbox deleted,
-        whose teardown is pending, does not: that teardown is finished first)."""
+        """Whether a sandbox of this home runs from its copy of the image (a sandbox
+        deleted, whose teardown is pending, does not: that teardown is finished first).
+        Another home's sandboxes on a shared store are that home's to answer for."""
         digest = self._settled_fs_image(ref)
-        return digest is not None and bool(self.images.pins(digest))
+        return digest is not None and self._launcher.pinned_here(digest)
 
     def delete_filesystem_image(self, ref: str) -> None:
         """Remove an image made by :meth:`snapshot_filesystem` (here, or fetched from another
