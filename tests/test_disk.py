@@ -14,6 +14,7 @@ import textwrap
 import pytest
 
 from ray_sandbox.runtime import SandboxRuntime, SandboxState
+from ray_sandbox.runtime.config import DEFAULT_DISK
 from ray_sandbox.runtime.errors import SandboxCreationError, SandboxFileError
 from tests.fx_runtime import leftovers, leftovers_after_teardown, loops_backed_by
 
@@ -69,9 +70,10 @@ def test_disks_are_private_copies_of_one_template(runtime):
 
 def test_only_sandboxes_that_write_to_the_node_disk_get_an_image(runtime):
     """A read-only sandbox without a workdir writes only to tmpfs (bounded by memory): disk=
-    sets nothing up for it; without disk= nothing is set up either."""
+    sets nothing up for it; one that asks for no cap (disk="unlimited") gets none."""
     ro = runtime.create(image="ray-sandbox/busybox", memory="64Mi", disk="16Mi")
-    rw = runtime.create(image="ray-sandbox/busybox", memory="64Mi", readonly=False)
+    rw = runtime.create(image="ray-sandbox/busybox", memory="64Mi", readonly=False,
+                        disk="unlimited")
     try:
         for sid in (ro, rw):
             assert not (runtime.sandboxes_dir / sid / "disk.img").exists()
@@ -80,6 +82,26 @@ def test_only_sandboxes_that_write_to_the_node_disk_get_an_image(runtime):
     finally:
         runtime.delete(ro)
         runtime.delete(rw)
+
+
+@pytest.mark.parametrize("where", ["root", "workdir"])
+def test_a_sandbox_that_writes_to_the_node_disk_is_capped_unless_it_asks_not_to_be(runtime,
+                                                                                    where):
+    """Without disk= the runtime caps what a sandbox writes to the node's disk at
+    DEFAULT_DISK, as create() through Ray does: a writable root without disk= wrote 2 GiB
+    in 1.6 s to the node's disk before."""
+    cfg, base = WHERE[where]
+    sid = runtime.create(image="ray-sandbox/busybox", memory="64Mi", **cfg)
+    try:
+        image = runtime.sandboxes_dir / sid / "disk.img"
+        assert image.stat().st_size == DEFAULT_DISK
+        st = os.statvfs(runtime.sandboxes_dir / sid / "disk")
+        assert st.f_blocks * st.f_frsize <= DEFAULT_DISK
+        res = runtime.exec(sid, f"echo x > {base}/f && cat {base}/f")
+        assert res.stdout == "x\n", res.stderr
+    finally:
+        runtime.delete(sid)
+    assert leftovers_after_teardown(runtime.home, {sid}) == {}
 
 
 def test_image_workdir_larger_than_disk_fails_create_cleanly(runtime):

@@ -48,12 +48,19 @@ def test_sets_place_every_range_in_its_tier() -> None:
 
 
 def test_egress_chain_order_and_default() -> None:
-    rules = policy._egress_rules("deny")
+    rules = policy._egress_rules(_sets(default="deny"))
     order = [r.split("@")[1].split()[0] for r in rules if "@" in r]
     assert order == ["deny4", "deny6", "allow4", "allow6", "never4", "never6", "dyn4", "dyn6",
                      "private4", "private6"]
     assert rules[-1] == "goto refuse"
-    assert policy._egress_rules("allow")[-1] == "accept"
+    assert policy._egress_rules(_sets())[-1] == "accept"
+
+
+def test_without_private_domains_names_open_no_private_address() -> None:
+    rules = policy._egress_rules(_sets(private_domains=False))
+    order = [r.split("@")[1].split()[0] for r in rules if "@" in r]
+    assert order.index("private4") < order.index("dyn4")
+    assert order.index("never4") < order.index("private4")
 
 
 def test_public_table_filters_output_and_passes_loopback_and_replies() -> None:

@@ -8,12 +8,11 @@ from typing import Any
 import ray
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..runtime.config import SandboxConfig, make_config
+from ..runtime.config import DEFAULT_DISK, SandboxConfig, make_config
 from ..runtime.errors import ConfigError
 from .volumes import volume_node
 
 _MIN_CPU_RESERVATION = 0.0001  # Ray's resource granularity
-DEFAULT_DISK = "4Gi"  # a writable root's default cap through Ray (sparse: costs what is used)
 
 
 class SandboxTemplate(BaseModel):

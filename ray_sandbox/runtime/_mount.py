@@ -59,7 +59,8 @@ def mount_block(device: str, target: Path, fstype: str, data: str = "", *,
         )
 
 
-def bind(source: Path, target: Path, *, readonly: bool, sandbox_id: str) -> None:
+def bind(source: Path, target: Path, *, readonly: bool, sandbox_id: str,
+         harden: bool = False) -> None:
     """Bind ``source`` (a mount point, never a path inside a sandbox's files) on ``target``.
     A read-only bind is read-only in the host kernel, so nothing the sandbox does (a remount
     inside gVisor, links, renames) can write through it; nosuid/nodev stay as on the source
@@ -68,6 +69,8 @@ def bind(source: Path, target: Path, *, readonly: bool, sandbox_id: str) -> None
     steps = [(os.fsencode(source), _MS_BIND)]
     if readonly:
         steps.append((None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV))
+    elif harden:  # writable, but what is written there gains no privilege on the host
+        steps.append((None, _MS_BIND | _MS_REMOUNT | _MS_NOSUID | _MS_NODEV))
     for src, flags in steps:
         if _libc.mount(src, os.fsencode(target), None, flags, None) != 0:
             err = ctypes.get_errno()

@@ -12,8 +12,10 @@
     etc/               generated hosts, resolv.conf, hostname (bind-mounted per file)
     work/              the writable workdir of a read-only sandbox
     overlay/           runsc's filestore for the private copy-on-write root (readonly=False)
-    disk.img, disk/    with disk=: a sparse ext4 image of that size, loop-mounted on disk/;
-                       work/ and overlay/ then live in disk/ (runtime/disk.py)
+    disk.img, disk/    a sparse ext4 image of the disk cap, loop-mounted (nosuid,nodev) on
+                       disk/; work/ and overlay/ then live in disk/ (runtime/disk.py)
+    storage/           with disk="unlimited" instead: a nosuid,nodev bind of itself holding
+                       work/ and overlay/
     volumes/<i>        with volumes=: a bind of each named volume, bound in at its path
                        (read-only ones read-only on the host; runtime/volumes.py)
     runsc.out/.err     stdio of the detached sandbox
@@ -130,7 +132,10 @@ class SandboxDir:
     def _storage(self) -> Path:
         """Where the sandbox's host-backed writable storage goes: the size-capped filesystem
         if the sandbox has one (its mount point exists only then)."""
-        return self.disk if self.disk.is_dir() else self.path
+        if self.disk.is_dir():
+            return self.disk
+        store = self.path / "storage"
+        return store if store.is_dir() else self.path
 
     @property
     def work(self) -> Path:
@@ -141,12 +146,24 @@ class SandboxDir:
         return self._storage / "overlay"
 
     def create(self) -> None:
-        self.path.mkdir(parents=True, exist_ok=False)
+        # 0700: what a sandbox writes here (a workdir, an overlay) is reachable by no other
+        # host user, whatever modes, setuid bits or device nodes the sandbox gave it
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.mkdir(mode=0o700, exist_ok=False)
+        os.chmod(self.path, 0o700)  # mkdir's mode is masked by the umask
         for d in (self.bundle, self.run, self.etc):
             d.mkdir()
         # run/ is bind-mounted writable into the sandbox (the agent's socket lives there): a
         # small tmpfs keeps whatever the sandbox writes there off the node's disk.
         _mount.mount_tmpfs(self.run, size=RUN_DIR_SIZE)
+
+    def storage_unlimited(self) -> None:
+        """Without a capped disk (``disk="unlimited"``): the directory the sandbox writes to
+        is a bind of itself mounted nosuid,nodev, as the capped disk is, so a setuid file or
+        a device node the sandbox makes there means nothing on the host."""
+        store = self.path / "storage"
+        store.mkdir(mode=0o700)
+        _mount.bind(store, store, readonly=False, sandbox_id=self.path.name, harden=True)
 
     def remove(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)

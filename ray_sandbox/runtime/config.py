@@ -24,6 +24,11 @@ from pydantic import (
 from .errors import ConfigError
 
 DEFAULT_IMAGE = "ray-sandbox/python:latest"
+# What a sandbox may write to the node's disk when ``disk=`` is not given (a writable root or
+# a read-only root's workdir; sparse: it costs what is written). ``disk="unlimited"`` asks for
+# no cap, explicitly.
+DEFAULT_DISK = 4 * 2**30
+UNLIMITED = "unlimited"
 
 # Docker's default capability set (moby oci/caps/defaults.go); the default for sandboxes.
 DOCKER_DEFAULT_CAPABILITIES: tuple[str, ...] = (
@@ -95,6 +100,17 @@ NetworkMode = Literal["none", "public", "host", "sandbox"]
 Platform = Literal["ptrace", "systrap"]
 
 
+def check_text(value: str, what: str) -> str:
+    """``value`` if it can be written as UTF-8: a lone surrogate (JSON's ``"\\ud800"``, or
+    undecodable bytes a caller smuggled in) is refused here, at the boundary, instead of
+    breaking every later read of whatever stored it."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{what} is not valid Unicode text (a lone surrogate)") from None
+    return value
+
+
 def parse_size(value: int | str) -> int:
     """``"512Mi"``, ``"1Gi"``, ``"100M"`` or a byte count -> bytes."""
     if isinstance(value, bool):
@@ -132,6 +148,10 @@ class EgressPolicy(BaseModel):
     default: Literal["allow", "deny"] = Field(
         "allow", description="verdict for public addresses not matched by any rule"
     )
+    private_domains: bool = Field(
+        True, description="whether answers for allow_domains may open private addresses "
+        "(RFC 1918, CGNAT, ULA: an internal service); False keeps the private tier closed "
+        "to names too (the service sets it for tenants)")
 
     @field_validator("allow_cidrs", "deny_cidrs")
     @classmethod
@@ -192,11 +212,12 @@ class SandboxConfig(BaseModel):
     image: str = DEFAULT_IMAGE
     cpu: float | None = Field(1.0, description="CPU quota in cores; None or 0 = unlimited")
     memory: int | None = Field(512 * 2**20, description="memory limit in bytes; '512Mi' accepted")
-    disk: int | None = Field(
+    disk: int | Literal["unlimited"] | None = Field(
         None,
         description="bytes the sandbox may write to the node's disk (writable root and "
         "workdir), enforced by a loop-mounted ext4 of that size: writes beyond fail with "
-        "ENOSPC inside; '1Gi' accepted; None = unbounded",
+        "ENOSPC inside; '1Gi' accepted; None = the default cap (4 GiB, see effective_disk); "
+        "'unlimited' = no cap (the host directory is then mounted nosuid,nodev)",
     )
     pids_limit: int | Literal["auto"] | None = Field(
         "auto",
@@ -261,6 +282,8 @@ class SandboxConfig(BaseModel):
         # memory=0 means no limit, as in Ray's sandboxes (and cpu=0 here)
         if info.field_name == "memory" and v == 0 and not isinstance(v, bool):
             return None
+        if info.field_name == "disk" and v == UNLIMITED:
+            return v
         return None if v is None else parse_size(v)
 
     @field_validator("memory")
@@ -284,7 +307,20 @@ class SandboxConfig(BaseModel):
     def _image(cls, v: str) -> str:
         if not v or v.strip() != v or any(c in v for c in " \t\n\0"):
             raise ValueError(f"invalid image reference {v!r}")
+        return check_text(v, "the image reference")
+
+    @field_validator("env", "labels", mode="after")
+    @classmethod
+    def _text_maps(cls, v: dict[str, str], info: Any) -> dict[str, str]:
+        for k, val in v.items():
+            check_text(k, f"a key of {info.field_name}")
+            check_text(val, f"{info.field_name}[{k!r}]")
         return v
+
+    @field_validator("workdir", "shell", "user", mode="before")
+    @classmethod
+    def _text(cls, v: Any, info: Any) -> Any:
+        return check_text(v, info.field_name) if isinstance(v, str) else v
 
     @field_validator("env")
     @classmethod
@@ -310,6 +346,7 @@ class SandboxConfig(BaseModel):
             return v
         if not v.startswith("/") or "\0" in v:
             raise ValueError("workdir must be an absolute path")
+        check_text(v, "a path")
         norm = os.path.normpath(v)
         system = ("/proc", "/sys", "/dev", AGENT_DIR)
         if norm == "/" or norm in system or norm.startswith(tuple(d + "/" for d in system)):
@@ -418,8 +455,8 @@ class SandboxConfig(BaseModel):
 
     @field_validator("disk")
     @classmethod
-    def _disk(cls, v: int | None) -> int | None:
-        if v is not None and v < _MIN_DISK:
+    def _disk(cls, v: int | str | None) -> int | str | None:
+        if isinstance(v, int) and v < _MIN_DISK:
             # mkfs.ext4 itself works down to 128 KiB; below 1 MiB its metadata is a large
             # share and no sandbox is useful (docs/runtime.md, "Limits").
             raise ValueError("disk must be at least 1Mi")
@@ -435,7 +472,7 @@ class SandboxConfig(BaseModel):
             raise ValueError("expose_ports= needs network='public' or 'sandbox'")
         if self.network == "sandbox" and self.effective_rootless:
             raise ValueError("network='sandbox' needs rootful mode (rootless=False, as root)")
-        if self.disk is not None and self.effective_rootless:
+        if isinstance(self.disk, int) and self.effective_rootless:
             raise ValueError("disk= needs rootful mode (a loop-mounted filesystem; as root)")
         if self.rootless is False and os.geteuid() != 0:
             raise ValueError("rootless=False needs root")
@@ -468,6 +505,23 @@ class SandboxConfig(BaseModel):
         return os.geteuid() != 0 if self.rootless == "auto" else bool(self.rootless)
 
     @property
+    def writes_to_disk(self) -> bool:
+        """Whether the sandbox writes to the node's disk at all: a writable root (runsc's
+        filestore) or a read-only root's workdir (a bind); else only memory-bounded tmpfs."""
+        return not self.readonly or bool(self.workdir)
+
+    @property
+    def effective_disk(self) -> int | None:
+        """The cap on what the sandbox writes to the node's disk: ``disk=``, else
+        ``DEFAULT_DISK``; None for ``disk="unlimited"``, for a sandbox that writes nothing
+        there, and rootless (a loop-mounted filesystem needs root; docs/runtime.md)."""
+        if not self.writes_to_disk or self.disk == UNLIMITED:
+            return None
+        if isinstance(self.disk, int):
+            return self.disk
+        return None if self.effective_rootless else DEFAULT_DISK
+
+    @property
     def effective_capabilities(self) -> tuple[str, ...]:
         if self.capabilities is not None:
             return self.capabilities
@@ -486,6 +540,8 @@ def boot_key(cfg: SandboxConfig) -> str | None:
     a read-only sandbox's workdir is a bind made at boot, so are volumes)."""
     if cfg.spec_transform is not None or (cfg.readonly and cfg.workdir) or cfg.volumes:
         return None  # a volume is mounted at boot, and a read-write one is held while mounted
+    if cfg.expose_ports:
+        return None  # a stocked copy would hold the node's ports before anyone asked for them
     boot = cfg.model_dump(mode="json", exclude=set(PERSONAL_FIELDS))
     return json.dumps(boot, sort_keys=True, separators=(",", ":"))
 

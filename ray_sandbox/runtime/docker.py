@@ -55,7 +55,7 @@ _LOG_TAIL_LINES = 40
 
 def mounts(config: SandboxConfig) -> list[Mount]:
     """The spec mounts a Docker sandbox adds: gVisor's cgroupfs and the storage tmpfs."""
-    size = config.disk or config.memory
+    size = config.disk if isinstance(config.disk, int) else config.memory
     options = ["nosuid", "nodev", "mode=0711"] + ([f"size={size}"] if size else [])
     return [
         Mount(destination=CGROUP_ROOT, type="cgroup", source="cgroup",

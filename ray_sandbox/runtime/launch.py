@@ -328,10 +328,13 @@ class Launcher:
         _mount.mount_overlay(Path(image.rootfs), sdir.upper, sdir.ovwork, sdir.root,
                              sandbox_id=sandbox_id)
         # Only a writable root (runsc's filestore) or a workdir bind write to the node's disk;
-        # a read-only sandbox without a workdir writes only to memory-bounded tmpfs.
-        if cfg.disk is not None and (not cfg.readonly or cfg.workdir):
-            disk.attach(sdir.disk_image, sdir.disk, cfg.disk, templates=self._disks,
+        # a read-only sandbox without a workdir writes only to memory-bounded tmpfs. The
+        # capped disk is mounted nosuid,nodev; so is the plain directory of an uncapped one.
+        if (size := cfg.effective_disk) is not None:
+            disk.attach(sdir.disk_image, sdir.disk, size, templates=self._disks,
                         sandbox_id=sandbox_id)
+        elif cfg.writes_to_disk:
+            sdir.storage_unlimited()
         if cfg.volumes:
             if cfg.effective_rootless:
                 raise ConfigError("volumes need rootful mode (loop-mounted filesystems; as "

@@ -450,7 +450,7 @@ class SandboxRuntime:
         rec = self.records.get(sandbox_id)
         base = self.images.inspect(rec.image_digest)
         if max_bytes is None:
-            disk = rec.sandbox_config.disk
+            disk = rec.sandbox_config.effective_disk
             max_bytes = fs_image.MAX_BYTES if disk is None else base.size_bytes + disk
         dest = fs_image.layout(scope, uuid.uuid4().hex, self.home)
         dest.parent.mkdir(parents=True, exist_ok=True)

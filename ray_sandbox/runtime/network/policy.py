@@ -9,7 +9,8 @@ the sandbox, e.g. an exposed port, pass), in this order:
     never tier: loopback, link-local (cloud metadata), multicast, reserved, node addresses
                                              -> refuse
     dyn set: answers for allow_domains       -> accept   (filled by the DNS helper)
-    private tier: RFC 1918, CGNAT, ULA       -> refuse
+    private tier: RFC 1918, CGNAT, ULA       -> refuse   (before the dyn set with
+                                                          private_domains=False)
     anything else                            -> policy.default
 
 In ``sandbox`` mode a link (:func:`link_script`) is checked before all of that: the set
@@ -50,6 +51,7 @@ class Sets:
 
     cidrs: Mapping[str, tuple[str, ...]]
     default: str
+    private_domains: bool = True  # domain answers may open the private tier
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,7 @@ def sets_for(policy: EgressPolicy, node_addrs: Sequence[str], internal: Sequence
     cidrs: dict[str, tuple[str, ...]] = {}
     for name, members in groups.items():
         cidrs[name + "4"], cidrs[name + "6"] = split(members)
-    return Sets(cidrs=cidrs, default=policy.default)
+    return Sets(cidrs=cidrs, default=policy.default, private_domains=policy.private_domains)
 
 
 def _set_decls(sets: Sets) -> list[str]:
@@ -99,12 +101,15 @@ def _set_decls(sets: Sets) -> list[str]:
     return out
 
 
-def _egress_rules(default: str) -> list[str]:
+def _egress_rules(sets: Sets) -> list[str]:
+    tiers = [("deny", "goto refuse"), ("allow", "accept"), ("never", "goto refuse"),
+             ("dyn", "accept"), ("private", "goto refuse")]
+    if not sets.private_domains:  # the private tier before domain answers: names open none
+        tiers[3], tiers[4] = tiers[4], tiers[3]
     rules = []
-    for name, verdict in (("deny", "goto refuse"), ("allow", "accept"), ("never", "goto refuse"),
-                          ("dyn", "accept"), ("private", "goto refuse")):
+    for name, verdict in tiers:
         rules += [f"ip daddr @{name}4 {verdict}", f"ip6 daddr @{name}6 {verdict}"]
-    rules.append("accept" if default == "allow" else "goto refuse")
+    rules.append("accept" if sets.default == "allow" else "goto refuse")
     return rules
 
 
@@ -151,7 +156,7 @@ def _table(table: str, sets: Sets, chains: list[str], extra_sets: Sequence[str] 
         *_set_decls(sets),
         *extra_sets,
         *_chain("refuse", None, _REFUSE),
-        *_chain("egress", None, _egress_rules(sets.default)),
+        *_chain("egress", None, _egress_rules(sets)),
         *chains,
         "}",
     ]
@@ -210,7 +215,7 @@ def update_script(table: str, sets: Sets, dyn: Mapping[str, int]) -> str:
     names = [n + v for n in STATIC_SETS for v in "46"] + list(DYN_SETS)
     lines = [f"flush chain inet {table} egress"]
     lines += [f"flush set inet {table} {n}" for n in names]
-    lines += [f"add rule inet {table} egress {r}" for r in _egress_rules(sets.default)]
+    lines += [f"add rule inet {table} egress {r}" for r in _egress_rules(sets)]
     lines += _elements(table, sets, dyn)
     return "\n".join(lines) + "\n"
 
