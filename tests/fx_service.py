@@ -40,16 +40,17 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def service(request, ray_cluster, tmp_path_factory) -> Iterator[Service]:
-    """The module's service; a module may set ``SERVICE_QUOTAS`` (quota specs) and
-    ``SERVICE_REPLICAS`` of its own."""
+    """The module's service; a module may set ``SERVICE_QUOTAS`` (quota specs),
+    ``SERVICE_REPLICAS`` and ``SERVICE_SETTINGS`` (more ServiceConfig fields) of its own."""
     from ray_sandbox import service as svc
 
     audit = tmp_path_factory.mktemp("service") / "audit.log"
     tokens = ",".join(f"{t}={v}" for t, v in TOKENS.items())
     quotas = getattr(request.module, "SERVICE_QUOTAS", (BOB_QUOTA,))
     replicas = getattr(request.module, "SERVICE_REPLICAS", replicas_default())
+    settings = {**LIMITS, **getattr(request.module, "SERVICE_SETTINGS", {})}
     config = svc.from_env({"RAY_SANDBOX_API_TOKENS": tokens}, quotas=quotas, audit_log=audit,
-                          num_replicas=replicas, **LIMITS)
+                          num_replicas=replicas, **settings)
     url = svc.start(config, "127.0.0.1", free_port())
     try:
         wait_healthy(url)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -217,3 +218,20 @@ def test_a_forged_state_file_gets_no_process_killed(tmp_path):
         for p in stand_ins:
             p.kill()
             p.wait()
+
+
+@pytest.mark.parametrize("mode", ["public", "sandbox"])
+def test_a_port_is_published_again_right_after_its_sandbox_is_deleted(runtime, mode):
+    """The deleted sandbox's teardown (which releases its port) ran in the background, so a
+    create publishing the same port right after failed "already in use" for a while; it is
+    finished first now, as an image's pins are."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    kw = {"image": "ray-sandbox/busybox", "memory": "32Mi", "network": mode,
+          "expose_ports": [port]}
+    ids = []
+    for _ in range(3):
+        ids.append(runtime.create(**kw))
+        runtime.delete(ids[-1])
+    assert leftovers_after_teardown(runtime.home, set(ids)) == {}

@@ -180,3 +180,37 @@ def test_a_config_the_stock_cannot_serve_always_boots(cluster):
 
 def _identity(spec: dict) -> dict:
     return spec
+
+
+def test_a_config_that_publishes_ports_is_never_stocked(cluster):
+    """A stocked copy of a config publishing a port held that port on the node, so the next
+    create publishing it (another shape) failed 'port already in use'."""
+    ray, _, _ = cluster
+    ports = {"network": "sandbox", "expose_ports": [18080]}
+    sb = sandbox.create(**OPTS, **ports)
+    try:
+        assert _stock(ray, sb)["target"] == 0  # no shelf for it: nothing boots ahead
+    finally:
+        ray.get(sb.terminate.remote(), timeout=60)
+    # ...and the port is published again at once: the deleted one's teardown is finished
+    # first (it ran in the background and held the port for a while)
+    other = sandbox.create(**{**OPTS, "memory": "48Mi"}, **ports)
+    ray.get(other.terminate.remote(), timeout=60)
+
+
+def test_a_filesystem_image_only_the_stock_uses_is_deleted_at_once(cluster):
+    """The stock booted copies from a filesystem image its callers had used; deleting the
+    image then answered 'in use' for ~30 s, though none of them was anyone's."""
+    ray, _, _ = cluster
+    src = sandbox.create(**{**OPTS, "readonly": False})
+    try:
+        ray.get(src.exec.remote("echo kept > /marker"), timeout=60)
+        ref = ray.get(src.snapshot_filesystem.remote(), timeout=120)
+    finally:
+        ray.get(src.terminate.remote(), timeout=60)
+    made = [sandbox.create(**{**OPTS, "image": ref}) for _ in range(2)]
+    assert _out(ray, made[0], "cat /marker") == "kept\n"
+    _filled(ray, made[0])  # a copy booted from it that no caller asked for
+    for sb in made:
+        ray.get(sb.terminate.remote(), timeout=60)
+    sandbox.delete_filesystem_image(ref)  # raised ImageInUseError

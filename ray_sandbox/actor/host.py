@@ -22,6 +22,7 @@ class would need a second actor per node, which costs a Ray worker.)
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -453,9 +454,12 @@ class SandboxHost:
         yield from rechunk(archive.pack_local(path))
 
     def delete_filesystem_image(self, ref: str) -> None:
+        self._stock.forget_image(ref)
         self._rt.delete_filesystem_image(ref)
 
     def filesystem_image_in_use(self, ref: str) -> bool:
+        """Whether a caller's sandbox runs from it: the stock's own copies give way."""
+        self._stock.forget_image(ref)
         return self._rt.filesystem_image_in_use(ref)
 
     def snapshot_stream(self, snapshot_id: str) -> Iterator[bytes]:
@@ -599,18 +603,47 @@ class SandboxHost:
         yield from rechunk(self._rt.get_archive(sandbox_id, remote_dir))
 
 
-_RemoteHost = ray.remote(SandboxHost)
+# Each kind of call has threads of its own, so no kind can take them all (docs/scale.md,
+# "A host's threads"): commands and file transfers, which last as long as the sandbox's
+# code wants, run in "work"; creates and copies, which wait for boots and image pulls, in
+# "create"; everything else (status, list, delete, links, ...) keeps the default group's
+# threads: 1,088 sleeping execs in 17 sandboxes wedged every caller of the node for ~30 s
+# while all calls shared one pool of 1,024.
+WORK_METHODS = ("exec", "exec_stream", "run_python", "spawn", "process", "file_op",
+                "write_from_refs", "put_archive_from_refs", "read_stream", "archive_stream",
+                "snapshot", "snapshot_filesystem", "snapshot_stream", "fs_image_stream")
+CREATE_METHODS = ("create", "create_many", "restore", "suspend")
+for _name in WORK_METHODS:
+    setattr(SandboxHost, _name, ray.method(concurrency_group="work")(getattr(SandboxHost, _name)))
+for _name in CREATE_METHODS:
+    setattr(SandboxHost, _name,
+            ray.method(concurrency_group="create")(getattr(SandboxHost, _name)))
+
+
+@functools.cache
+def _remote_host(work: int, create: int) -> Any:
+    # concurrency groups are declared with the class (Ray takes no groups in .options())
+    return ray.remote(concurrency_groups={"work": work, "create": create})(SandboxHost)
+
+
+def host_threads() -> tuple[int, int, int]:
+    """Threads of the work, create and default groups (``RAY_SANDBOX_HOST_WORK_THREADS``,
+    ``..._CREATE_THREADS``, ``..._CONTROL_THREADS``)."""
+    return (int(_number_env("RAY_SANDBOX_HOST_WORK_THREADS", 960)),
+            int(_number_env("RAY_SANDBOX_HOST_CREATE_THREADS", 64)),
+            int(_number_env("RAY_SANDBOX_HOST_CONTROL_THREADS", 64)))
 
 
 def start_host(node_id: str, home: str | None = None) -> Any:
     """The host actor of ``node_id``, started there if it does not exist yet."""
-    return _RemoteHost.options(
+    work, create, control = host_threads()
+    return _remote_host(work, create).options(
         name=HOST_PREFIX + node_id,
         namespace=NAMESPACE,
         get_if_exists=True,
         lifetime="detached",
         num_cpus=0,
-        max_concurrency=1024,
+        max_concurrency=control,
         max_restarts=-1,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         # every call would send a task event to the GCS: at 100k sandboxes the GCS's main

@@ -135,6 +135,23 @@ class Stock:
         self._discard(gone)
         return len(gone)
 
+    def forget_image(self, image: str) -> None:
+        """Delete every stocked sandbox booted from ``image`` and stop stocking it, waiting
+        (bounded) for those still booting: nobody asked for them, so they must not keep the
+        image in use (a filesystem image being deleted was "in use" for ~30 s)."""
+        with self._lock:
+            shelves = [(k, sh) for k, sh in self._shelves.items() if sh.config.image == image]
+            gone = [g for _, sh in shelves for g in sh.ready]
+            for key, shelf in shelves:
+                shelf.ready.clear()
+                del self._shelves[key]
+        self._discard(gone)
+        with self._lock:  # a refill in flight finds its shelf gone and deletes its sandbox
+            if not self._lock.wait_for(lambda: not any(sh.booting for _, sh in shelves),
+                                       _CLOSE_WAIT_S):
+                log.warning("stocked sandboxes of %s still booting after %gs", image,
+                            _CLOSE_WAIT_S)
+
     def ids(self) -> set[str]:
         with self._lock:
             return {sid for shelf in self._shelves.values() for sid, _ in shelf.ready}

@@ -341,7 +341,7 @@ class Launcher:
                                   "root)", sandbox_id=sandbox_id)
             self.volumes.attach(sandbox_id, [(name, ro, bind) for _, name, ro, bind
                                              in sdir.volume_binds(cfg)])
-        attachment = network.attach(sandbox_id, cfg, sdir.path)
+        attachment = network.attach(sandbox_id, cfg, sdir.path, settle=self._settle)
         overlay = "none"
         if not cfg.readonly:
             sdir.overlay.mkdir()

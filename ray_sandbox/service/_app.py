@@ -78,6 +78,8 @@ class Guard:
         self._replica = (REPLICA_HEADER, replica.encode())
         self._config = config
         self._tokens = {t: s.get_secret_value().encode() for t, s in config.tokens.items()}
+        self._inflight: dict[str, int] = {}  # tenant -> requests in flight (this replica)
+        self._polls: dict[str, int] = {}  # tenant -> long polls waiting
         if config.audit_log is not None:
             handler = logging.FileHandler(config.audit_log)
             handler.setFormatter(logging.Formatter("%(message)s"))
@@ -91,6 +93,13 @@ class Guard:
         if scope["type"] != "http":
             await self._app(scope, receive, send)
             return
+        raw_headers = scope.get("headers") or ()
+        size = sum(len(k) + len(v) for k, v in raw_headers)
+        if len(raw_headers) > self._config.max_headers or size > self._config.max_header_bytes:
+            await _refuse(send, 431, f"{len(raw_headers)} headers of {size} bytes; at most "
+                                     f"{self._config.max_headers} of "
+                                     f"{self._config.max_header_bytes} bytes in all")
+            return
         headers = Headers(scope=scope)
         tenant = None
         if scope["path"] not in PUBLIC and not scope["path"].startswith(PORTS):
@@ -100,6 +109,44 @@ class Guard:
                                          "token")
                 return
         scope.setdefault("state", {})["tenant"] = tenant
+        share = self._share(tenant, scope)
+        if isinstance(share, str):
+            await _refuse(send, 429, share)
+            return
+        try:
+            await self._bounded(scope, receive, send, tenant, headers)
+        finally:
+            self._release(tenant, share)
+
+    def _share(self, tenant: str | None, scope: Scope) -> bool | str:
+        """Count the request against its tenant's share of this replica: whether it is a
+        long poll, or why it is refused (one tenant's flood must not starve the others)."""
+        if tenant is None:
+            return False
+        waits = any(k == b"wait_seconds" and v not in (b"", b"0", b"0.0") for k, _, v in
+                    (p.partition(b"=") for p in scope.get("query_string", b"").split(b"&")))
+        if self._inflight.get(tenant, 0) >= self._config.max_requests_per_tenant:
+            return (f"{self._inflight[tenant]} requests of this tenant are in flight, its "
+                    "limit (max_requests_per_tenant)")
+        if waits and self._polls.get(tenant, 0) >= self._config.max_long_polls_per_tenant:
+            return (f"{self._polls[tenant]} long polls of this tenant are waiting, its limit "
+                    "(max_long_polls_per_tenant); poll with wait_seconds=0 or wait")
+        self._inflight[tenant] = self._inflight.get(tenant, 0) + 1
+        if waits:
+            self._polls[tenant] = self._polls.get(tenant, 0) + 1
+        return waits
+
+    def _release(self, tenant: str | None, share: bool | str) -> None:
+        if tenant is None or isinstance(share, str):
+            return
+        for counts, counted in ((self._inflight, True), (self._polls, share)):
+            if counted:
+                counts[tenant] -= 1
+                if not counts[tenant]:
+                    del counts[tenant]
+
+    async def _bounded(self, scope: Scope, receive: Receive, send: Send, tenant: str | None,
+                       headers: Headers) -> None:
         raw = scope["path"].endswith(("/files", "/archive")) or scope["path"].startswith(PORTS)
         limit = self._config.max_file_bytes if raw else self._config.max_body_bytes
         try:

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from ..runtime.config import parse_size
 from ..runtime.errors import ConfigError
+from ._policy import TenantPolicy, load_policies
 
 DEFAULT_TENANT = "default"  # the tenant of RAY_SANDBOX_API_TOKEN (one token, one tenant)
 ANY_TENANT = "*"  # the quota key every tenant without its own quota gets
@@ -52,7 +53,21 @@ class ServiceConfig(BaseModel):
     max_fs_images: int = Field(8, ge=0, description="filesystem images kept per tenant")
     max_copies: int = Field(8, gt=0, description="copies one fork or restore makes")
     max_errored: int = Field(64, gt=0, description="failed creates kept per tenant for GET")
-    create_threads: int = Field(16, gt=0, description="creates and listings run at once")
+    create_threads: int = Field(16, gt=0, description="creates (and, apart, lookups) run at "
+                                "once")
+    # fair shares: what one tenant may hold of a replica at once (each past it is a 429)
+    max_pending_creates: int = Field(8, gt=0, description="a tenant's creates waiting for "
+                                     "room or an image, per replica")
+    max_requests_per_tenant: int = Field(64, gt=0, description="a tenant's requests in "
+                                         "flight, per replica")
+    max_long_polls_per_tenant: int = Field(16, gt=0, description="a tenant's requests "
+                                           "waiting (wait_seconds > 0), per replica")
+    max_running_execs_per_tenant: int = Field(128, gt=0, description="a tenant's execs "
+                                              "running at once, streamed ones included")
+    max_result_bytes_per_tenant: int = Field(32 << 20, gt=0, description="finished exec "
+                                             "output kept for a tenant (its oldest evicted)")
+    max_header_bytes: int = Field(32 << 10, gt=0, description="all headers of a request")
+    max_headers: int = Field(100, gt=0, description="headers of a request")
     max_volumes: int = Field(8, ge=0, description="volumes per tenant")
     max_volume_bytes: int = Field(10 << 30, gt=0, description="size of one volume")
     direct_exec_threads: int = Field(
@@ -80,9 +95,10 @@ class ServiceConfig(BaseModel):
     @classmethod
     def _no_slash(cls, v: str | None) -> str | None:
         return v.rstrip("/") if v else v
-    allow_host_network: bool = Field(False, description="network='host' shares the node's")
-    allow_host_images: bool = Field(False, description="images named by a path of the node "
-                                    "(oci:, oci-archive:, docker-archive:, dir:)")
+    policies: dict[str, TenantPolicy] = Field(
+        default_factory=lambda: {ANY_TENANT: TenantPolicy()},
+        description="tenant (or '*', every other) -> what its sandboxes may be "
+                    "(service/_policy.py, docs/security.md 'Tenants')")
 
     @field_validator("tokens")
     @classmethod
@@ -99,6 +115,9 @@ class ServiceConfig(BaseModel):
 
     def quota(self, tenant: str) -> Quota:
         return self.quotas.get(tenant) or self.quotas.get(ANY_TENANT) or Quota()
+
+    def policy(self, tenant: str) -> TenantPolicy:
+        return self.policies.get(tenant) or self.policies.get(ANY_TENANT) or TenantPolicy()
 
 
 def parse_tokens(text: str, *, separator: str = ",") -> dict[str, str]:
@@ -166,11 +185,17 @@ def parse_quota(spec: str) -> tuple[str, Quota]:
 
 
 def from_env(environ: Mapping[str, str] | None = None, *, tokens_file: Path | None = None,
-             quotas: tuple[str, ...] = (), **settings: object) -> ServiceConfig:
-    """A ServiceConfig from the environment, quota specs and explicit settings."""
+             quotas: tuple[str, ...] = (), policy_file: Path | None = None,
+             **settings: object) -> ServiceConfig:
+    """A ServiceConfig from the environment, quota specs, a tenant policy file (also
+    ``RAY_SANDBOX_API_TENANT_POLICY``) and explicit settings."""
     env = os.environ if environ is None else environ
     tokens = tokens_from(env, tokens_file)
     parsed = dict(parse_quota(q) for q in quotas)
+    policy_file = policy_file or (Path(env["RAY_SANDBOX_API_TENANT_POLICY"])
+                                  if env.get("RAY_SANDBOX_API_TENANT_POLICY") else None)
+    if policy_file is not None:
+        settings.setdefault("policies", load_policies(policy_file))
     if env.get("RAY_SANDBOX_API_SIGNING_KEY"):  # shared by replicas and restarts
         settings.setdefault("signing_key", env["RAY_SANDBOX_API_SIGNING_KEY"])
     if env.get("RAY_SANDBOX_API_PUBLIC_URL"):

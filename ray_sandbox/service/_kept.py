@@ -16,6 +16,7 @@ import anyio
 
 from .. import actor
 from ..runtime import fs_image
+from ..runtime.errors import ImageInUseError
 from . import _errors
 from ._config import ServiceConfig
 from ._state import FS_IMAGE, SNAPSHOT, Bounds, Shared
@@ -112,5 +113,10 @@ class TenantKept:
         """Idempotent; 409 while a sandbox on any node runs from it (and then it is kept)."""
         kept = await self._state("kept", FS_IMAGE, tenant, image_id)
         if kept is not None:
-            await self._blocking(actor.delete_filesystem_image, kept["ref"])
+            try:
+                await self._blocking(actor.delete_filesystem_image, kept["ref"])
+            except ImageInUseError:  # in the tenant's words: no node, no path of one
+                raise _errors.refusal(409, f"{FS_IMAGE_SCHEME}{image_id} is in use by a "
+                                           "sandbox; delete the sandboxes made from it "
+                                           "first") from None
             await self._state("drop", FS_IMAGE, tenant, image_id)

@@ -4,15 +4,42 @@ validated at the boundary (unknown fields are refused)."""
 from __future__ import annotations
 
 import os
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
-from ..runtime.config import MAX_TIMEOUT, SandboxConfig
+from ..runtime.config import MAX_TIMEOUT, SandboxConfig, check_text
 
 SandboxStatusName = Literal["pending", "running", "paused", "suspended", "error", "terminated"]
 ExecStatusName = Literal["running", "completed", "timed_out", "failed"]
+
+
+def _texts(value: Any, where: str = "body") -> None:
+    """Every string in a request body must be valid Unicode: JSON's ``"\\ud800"`` decodes to
+    a lone surrogate, which fails wherever it is later written (a 500, or a stored value
+    that breaks every read after)."""
+    if isinstance(value, str):
+        check_text(value, where)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _texts(k, where)
+            _texts(v, f"{where}.{k}" if isinstance(k, str) else where)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            _texts(v, where)
+
+
+class Body(BaseModel):
+    """A request body: unknown fields refused, text checked."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        _texts(data)
+        return data
 
 
 class CreateSandbox(SandboxConfig):
@@ -49,7 +76,7 @@ class Deleted(BaseModel):
     status: Literal["terminated"] = "terminated"
 
 
-class CreateExec(BaseModel):
+class CreateExec(Body):
     """``POST /sandboxes/{id}/execs``: an argv list, or a string run by the shell."""
 
     model_config = ConfigDict(extra="forbid")
@@ -78,7 +105,7 @@ class CreateExec(BaseModel):
         return v
 
 
-class Signal(BaseModel):
+class Signal(Body):
     """``POST .../execs/{exec_id}/signal`` (a streamed exec)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -86,7 +113,7 @@ class Signal(BaseModel):
     signal: int = Field(ge=1, le=64)
 
 
-class CreateLink(BaseModel):
+class CreateLink(Body):
     """``POST .../links``: let this sandbox reach ``port`` of the tenant's sandbox ``to``
     (both ``network="sandbox"``, on one node)."""
 
@@ -104,7 +131,7 @@ class LinkInfo(BaseModel):
     port: int
 
 
-class PortUrl(BaseModel):
+class PortUrl(Body):
     """``POST .../ports/{port}/url``: how long the URL stays valid (capped)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -112,7 +139,7 @@ class PortUrl(BaseModel):
     ttl_seconds: float | None = Field(None, gt=0)
 
 
-class Copies(BaseModel):
+class Copies(Body):
     """``POST .../fork`` and ``POST /snapshots/{id}/restore``: how many copies."""
 
     model_config = ConfigDict(extra="forbid")
@@ -146,7 +173,7 @@ def check_path(path: str) -> str:
     return os.path.normpath(path)
 
 
-class CreateVolume(BaseModel):
+class CreateVolume(Body):
     """``POST /volumes``: a size-capped volume of the caller's tenant."""
 
     model_config = ConfigDict(extra="forbid")

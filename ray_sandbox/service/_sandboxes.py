@@ -34,13 +34,13 @@ from .. import actor
 from ..actor.hosts import host_for_node
 from ..actor.placement import node_alive
 from ..runtime.config import SandboxConfig
-from ..runtime.errors import ImageReferenceError, SandboxError, SandboxNotFoundError
-from ..runtime.images import parse_reference
+from ..runtime.errors import SandboxError, SandboxNotFoundError
 from ..runtime.results import ExecResult, SandboxState
-from . import _errors, _pty, _streams
+from . import _errors, _policy, _pty, _streams
 from ._config import ServiceConfig
 from ._kept import FS_IMAGE_PATH_RE, FS_IMAGE_SCHEME, TenantKept
 from ._models import ExecInfo, LinkInfo, SandboxInfo
+from ._policy import Nodes, ray_node_addresses
 from ._quota import Charge, charge
 from ._state import Shared
 from ._volumes import TenantVolumes
@@ -109,7 +109,10 @@ class Sandboxes:
         self._state = state
         self.replica = secrets.token_hex(6)
         self._entries: dict[str, Entry] = {}
+        # Lookups (listings, adoption, policy checks) are short; creates may wait long for
+        # room or an image: each has its own threads, so waiting creates never starve GETs.
         self._threads = anyio.CapacityLimiter(config.create_threads)
+        self._create_threads = anyio.CapacityLimiter(config.create_threads)
         self._direct = 0  # execs running in threads through handle.run
         self._direct_threads = anyio.CapacityLimiter(max(1, config.direct_exec_threads))
         self._adopted = False
@@ -121,6 +124,7 @@ class Sandboxes:
         self.volumes = TenantVolumes(config, self._blocking, state)
         self.kept = TenantKept(config, state, self._blocking, self._track)
         self._nodes_seen: dict[str, float] = {}  # node id -> when last seen alive
+        self._nodes = Nodes(ray_node_addresses)  # what tenants' sandboxes never reach
 
     async def _blocking(self, fn: Any, *args: Any) -> Any:
         return await anyio.to_thread.run_sync(fn, *args, limiter=self._threads)
@@ -278,27 +282,17 @@ class Sandboxes:
 
     # --- create, status, list, delete ------------------------------------------------------
 
-    async def create(self, tenant: str, options: dict[str, Any]) -> Entry:
-        """Start a create and return its entry (status pending) without waiting for it."""
+    async def create(self, tenant: str, given: dict[str, Any]) -> Entry:
+        """Start a create of the options the tenant gave (held to its policy) and return its
+        entry (status pending) without waiting for it."""
         await self._adopt()
+        self._check_pending(tenant)
+        options = await self._blocking(self._under_policy, tenant, given)
         labels = options.get("labels") or {}
-        if any(k.startswith(LABEL_PREFIX) for k in labels):
-            raise _errors.refusal(400, f"label keys starting with {LABEL_PREFIX!r} are "
-                                       "reserved")
-        if options.get("network") == "host" and not self._config.allow_host_network:
-            raise _errors.refusal(400, "network='host' is not allowed by this service")
         image, shown = options.get("image"), None
         if isinstance(image, str) and image.startswith(FS_IMAGE_SCHEME):
             shown = image
             options = {**options, "image": await self.kept.fs_image_ref(tenant, image)}
-        elif isinstance(image, str) and not self._config.allow_host_images:
-            try:
-                from_host = parse_reference(image).reads_host_files
-            except ImageReferenceError:
-                from_host = False  # the create reports it, as for any bad reference
-            if from_host:  # another tenant's build cache, filesystem images, any layout
-                raise _errors.refusal(400, f"image {image!r} names files of the host; "
-                                           "use a registry image or a ray-sandbox/ image")
         if options.get("volumes"):  # the tenant's own, by the names it gave them
             options = {**options,
                        "volumes": await self.volumes.mounts(tenant, options["volumes"])}
@@ -319,6 +313,26 @@ class Sandboxes:
         entry.creating = asyncio.ensure_future(self._create(entry, {**options,
                                                                      "labels": ray_labels}))
         return entry
+
+    def _under_policy(self, tenant: str, given: dict[str, Any]) -> dict[str, Any]:
+        """``given`` held to the tenant's policy (``_policy``); blocking (names resolved,
+        the cluster's nodes asked of Ray at most every 30 s)."""
+        def config_of(options: dict[str, Any]) -> SandboxConfig:
+            # what would run, without volume lookups (the tenant's names are mapped later)
+            return actor.make_template(**{k: v for k, v in options.items()
+                                          if k != "volumes"}).config
+
+        return _policy.admit(self._config.policy(tenant), given, config_of,
+                             self._nodes.known())
+
+    def _check_pending(self, tenant: str) -> None:
+        """A tenant's creates still waiting for room (or an image) each hold a thread; past
+        ``max_pending_creates`` it is told to wait, and cannot hold every thread."""
+        pending = sum(1 for e in self._entries.values() if e.tenant == tenant
+                      and e.creating is not None and not e.creating.done())
+        if pending >= self._config.max_pending_creates:
+            raise _errors.refusal(429, f"{pending} creates of this tenant are still being "
+                                       f"made, the limit (max_pending_creates); wait for them")
 
     async def _admit(self, tenant: str, keys: list[str], cost: Charge,
                      pending: dict[str, Any] | None = None) -> None:
@@ -341,7 +355,8 @@ class Sandboxes:
     async def _create(self, entry: Entry, options: dict[str, Any]) -> None:
         error, handle = None, None
         try:
-            handle = await self._blocking(self._create_blocking, entry.api_id, options)
+            handle = await anyio.to_thread.run_sync(
+                self._create_blocking, entry.api_id, options, limiter=self._create_threads)
         except SandboxError as exc:
             error = f"{_errors.code_of(exc)}: {exc.message}"
         except Exception as exc:  # a host or Ray failure: the entry must not stay pending
@@ -498,7 +513,7 @@ class Sandboxes:
         keys = [f"copy-{secrets.token_hex(8)}" for _ in range(count)]
         await self._admit(tenant, keys, cost)
         try:
-            handles = await self._blocking(make)
+            handles = await anyio.to_thread.run_sync(make, limiter=self._create_threads)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._state("release", tenant, keys)
@@ -617,8 +632,10 @@ class Sandboxes:
             self._streaming -= 1
             raise
         try:
-            await self._state("stream_started", entry.tenant, entry.api_id, stream.exec_id,
-                              stream.key)
+            reason = await self._state("stream_started", entry.tenant, entry.api_id,
+                                       stream.exec_id, stream.key)
+            if reason is not None:
+                raise _errors.refusal(429, reason)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await _streams.close(stream, self.call)

@@ -32,12 +32,11 @@ log = logging.getLogger(__name__)
 NAMESPACE = "ray_sandbox_service"
 UNSEEDED = "unseeded"  # admit's answer when the books do not know the tenant's sandboxes yet
 STATE_CONCURRENCY = 4096  # long polls wait inside the actor, one slot each
-MAX_SANDBOXES = 4096  # sandboxes whose exec results are kept (least recently used evicted)
+MAX_SANDBOXES = 1024  # a tenant's sandboxes whose exec results are kept (LRU evicted)
 MAX_TOMBSTONES = 4096  # recent deletes, so every replica answers 404 for them
 MAX_STREAMS = 4096  # streamed execs findable by another replica (a replica caps its own)
-MAX_RESULT_BYTES = 256 << 20  # output kept over every exec result (oldest finished evicted)
 GRACE = 60.0  # a create or exec past its own bound by this much lost its replica
-BOOKS_VERSION = 2  # raise it with every change to Books' methods or their meaning
+BOOKS_VERSION = 3  # raise it with every change to Books' methods or their meaning
 SNAPSHOT, FS_IMAGE = "snapshot", "filesystem image"  # the kinds of things a tenant keeps
 
 
@@ -51,6 +50,8 @@ class Bounds(BaseModel):
     max_snapshots: int
     max_fs_images: int
     create_timeout: float
+    max_running_execs_per_tenant: int
+    max_result_bytes_per_tenant: int
 
     @classmethod
     def of(cls, config: ServiceConfig) -> Bounds:
@@ -100,9 +101,12 @@ class Books:
         self._creates: OrderedDict[str, Create] = OrderedDict()
         self._ledger: dict[str, dict[str, Held]] = {}  # tenant -> key -> held
         self._epoch = 0
+        # Exec results, all per tenant: what one tenant runs or keeps never evicts another's
         self._execs: OrderedDict[str, OrderedDict[str, ExecRecord]] = OrderedDict()
-        self._finished: OrderedDict[tuple[str, str], int] = OrderedDict()  # for the byte cap
-        self._bytes = 0
+        self._sandboxes: dict[str, OrderedDict[str, None]] = {}  # tenant -> its, LRU
+        self._finished: dict[str, OrderedDict[tuple[str, str], int]] = {}  # for the byte cap
+        self._bytes: dict[str, int] = {}
+        self._running: dict[str, int] = {}  # tenant -> execs running, streamed ones included
         self._streams: OrderedDict[tuple[str, str], tuple[str, str]] = OrderedDict()
         self._kept: dict[tuple[str, str], OrderedDict[str, dict[str, Any]]] = {}
         self._tombstones: OrderedDict[str, None] = OrderedDict()
@@ -244,10 +248,9 @@ class Books:
         answers 404 for it from now on."""
         self._ledger.get(tenant, {}).pop(api_id, None)
         self._tomb(api_id)
-        for ex_id in self._execs.pop(api_id, {}):
-            self._bytes -= self._finished.pop((api_id, ex_id), 0)
+        self._forget_sandbox(api_id)
         for key in [k for k in self._streams if k[0] == api_id]:
-            del self._streams[key]
+            self._end_stream(key)
 
     async def was_deleted(self, api_id: str) -> bool:
         return api_id in self._tombstones
@@ -262,8 +265,13 @@ class Books:
 
     async def exec_started(self, tenant: str, api_id: str, exec_id: str,
                            timeout: float) -> str | None:
-        """Record a running exec (None), or why there is no room: the sandbox's last
-        ``max_execs_per_sandbox`` are all running (the oldest finished one is evicted)."""
+        """Record a running exec (None), or why there is no room: the tenant runs
+        ``max_running_execs_per_tenant`` already, or the sandbox's last
+        ``max_execs_per_sandbox`` are all running (else the oldest finished one is
+        evicted)."""
+        reason = self._over_running(tenant)
+        if reason is not None:
+            return reason
         execs = self._execs.setdefault(api_id, OrderedDict())
         self._execs.move_to_end(api_id)
         if len(execs) >= self._b.max_execs_per_sandbox:
@@ -273,29 +281,62 @@ class Books:
                         "one to finish")
             self._evict(api_id, done)
         execs[exec_id] = ExecRecord(tenant, time.time() + timeout + GRACE)
-        while len(self._execs) > MAX_SANDBOXES:
-            oldest = next(iter(self._execs))
-            for ex_id in list(self._execs[oldest]):
-                self._evict(oldest, ex_id)
-            self._execs.pop(oldest, None)
+        self._running[tenant] = self._running.get(tenant, 0) + 1
+        mine = self._sandboxes.setdefault(tenant, OrderedDict())
+        mine[api_id] = None
+        mine.move_to_end(api_id)
+        while len(mine) > MAX_SANDBOXES:
+            self._forget_sandbox(next(iter(mine)))
         return None
+
+    def _over_running(self, tenant: str) -> str | None:
+        limit = self._b.max_running_execs_per_tenant
+        if self._running.get(tenant, 0) >= limit:
+            self._expire_execs(tenant)  # those whose replica went away count no more
+        if self._running.get(tenant, 0) >= limit:
+            return (f"{self._running[tenant]} execs of this tenant are running, its limit "
+                    "(max_running_execs_per_tenant); wait for one to finish")
+        return None
+
+    def _expire_execs(self, tenant: str) -> None:
+        now = time.time()
+        for api_id in list(self._sandboxes.get(tenant, ())):
+            for ex_id, rec in list(self._execs.get(api_id, {}).items()):
+                if rec.info is None and rec.deadline < now:
+                    self._evict(api_id, ex_id)
+
+    def _forget_sandbox(self, api_id: str) -> None:
+        for ex_id in list(self._execs.get(api_id, ())):
+            self._evict(api_id, ex_id)
+        self._execs.pop(api_id, None)
+        for mine in self._sandboxes.values():
+            mine.pop(api_id, None)
 
     async def exec_finished(self, api_id: str, exec_id: str, info: dict[str, Any]) -> None:
         rec = self._execs.get(api_id, {}).get(exec_id)
-        if rec is None:  # evicted or deleted meanwhile
+        if rec is None or rec.info is not None:  # evicted or deleted meanwhile
             return
+        self._running[rec.tenant] -= 1
         rec.info = info
         rec.size = sum(len(info.get(k) or "") for k in ("stdout", "stderr"))
         rec.done.set()
-        self._finished[(api_id, exec_id)] = rec.size
-        self._bytes += rec.size
-        while self._bytes > MAX_RESULT_BYTES and self._finished:
-            (sid, ex_id), _ = next(iter(self._finished.items()))
+        finished = self._finished.setdefault(rec.tenant, OrderedDict())
+        finished[(api_id, exec_id)] = rec.size
+        self._bytes[rec.tenant] = self._bytes.get(rec.tenant, 0) + rec.size
+        while self._bytes[rec.tenant] > self._b.max_result_bytes_per_tenant and finished:
+            (sid, ex_id), _ = next(iter(finished.items()))
             self._evict(sid, ex_id)
 
     def _evict(self, api_id: str, exec_id: str) -> None:
-        self._execs.get(api_id, {}).pop(exec_id, None)
-        self._bytes -= self._finished.pop((api_id, exec_id), 0)
+        rec = self._execs.get(api_id, {}).pop(exec_id, None)
+        if rec is None:
+            return
+        if rec.info is None:
+            self._running[rec.tenant] -= 1
+            rec.done.set()  # a waiter reads it gone
+        else:
+            size = self._finished.get(rec.tenant, {}).pop((api_id, exec_id), 0)
+            self._bytes[rec.tenant] = self._bytes.get(rec.tenant, 0) - size
 
     async def exec_record(self, tenant: str, api_id: str, exec_id: str,
                           wait: float = 0.0) -> dict[str, Any] | None:
@@ -316,13 +357,25 @@ class Books:
                 "code": "unavailable", "message": "the replica running it went away"}}
         return {"exec_id": exec_id, "status": "running"}
 
-    async def stream_started(self, tenant: str, api_id: str, exec_id: str, key: str) -> None:
+    async def stream_started(self, tenant: str, api_id: str, exec_id: str,
+                             key: str) -> str | None:
+        """Record a running streamed exec (None), or why not (the tenant's running execs)."""
+        reason = self._over_running(tenant)
+        if reason is not None:
+            return reason
         self._streams[(api_id, exec_id)] = (tenant, key)
+        self._running[tenant] = self._running.get(tenant, 0) + 1
         while len(self._streams) > MAX_STREAMS:
-            self._streams.popitem(last=False)
+            self._end_stream(next(iter(self._streams)))
+        return None
 
     async def stream_ended(self, api_id: str, exec_id: str) -> None:
-        self._streams.pop((api_id, exec_id), None)
+        self._end_stream((api_id, exec_id))
+
+    def _end_stream(self, key: tuple[str, str]) -> None:
+        found = self._streams.pop(key, None)
+        if found is not None:
+            self._running[found[0]] -= 1
 
     async def stream_key(self, tenant: str, api_id: str, exec_id: str) -> str | None:
         """The host's process key of a running streamed exec of the tenant, so any replica

@@ -42,9 +42,12 @@ class NetworkAttachment(BaseModel):
     endpoints: dict[int, tuple[str, int]] = Field(default_factory=dict)
 
 
-def attach(sandbox_id: str, config: SandboxConfig, state_dir: Path) -> NetworkAttachment:
+def attach(sandbox_id: str, config: SandboxConfig, state_dir: Path,
+           settle: Callable[[str], None] | None = None) -> NetworkAttachment:
     """Create the sandbox's network. Bad input raises :class:`ConfigError` before anything
-    exists; a failure half-way removes what was made and raises :class:`NetworkError`."""
+    exists; a failure half-way removes what was made and raises :class:`NetworkError`.
+    ``settle(id)`` finishes a deleted sandbox's pending teardown (the runtime's): a port
+    it still holds is published again at once, not "in use" until its teardown ran."""
     mode = config.network
     _validate(mode, config)
     tag_ = tag(sandbox_id)
@@ -60,6 +63,12 @@ def attach(sandbox_id: str, config: SandboxConfig, state_dir: Path) -> NetworkAt
     )  # fmt: skip
     if (_netns.NETNS_DIR / tag_).exists() or _state.load(state_dir) is not None:
         raise NetworkError(f"network of {sandbox_id} already exists", sandbox_id=sandbox_id)
+    if settle is not None and st.ports:
+        with alloc.locked() as a:
+            holders = {a.ports[k].sandbox_id for k in
+                       (alloc.port_key(st.upstream, p) for p in st.ports) if k in a.ports}
+        for holder in holders:  # outside the lock: a teardown takes it
+            settle(holder)
     _reserve(st, node, state_dir)
     try:
         _state.save(state_dir, st)

@@ -96,6 +96,8 @@ def port_free(name: str | None, addr: str, port: int) -> bool:
 
     def probe() -> bool:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            # as a listener binds: connections of a sandbox gone (TIME_WAIT) do not count
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind((addr, port))
             except OSError:

@@ -1,0 +1,440 @@
+"""What a tenant may ask of a sandbox: a rule for every :class:`SandboxConfig` field.
+
+A tenant is not an operator. The operator sets a :class:`TenantPolicy` per tenant and by
+default (``ServiceConfig.policies``, ``--tenant-policy FILE``); :func:`admit` holds every
+create of a tenant to it, on the config that will actually run (after the Ray layer's
+defaults), and fills in what the policy decides (the disk cap, the operator's runtime
+settings, the egress rules toward the cluster's nodes). A refused option is a 400 naming the
+field and the rule.
+
+``RULES`` names every field of ``SandboxConfig``: a field it does not name is refused for
+tenants, so a new option stays the operator's until someone decides what tenants may do
+with it (tests/unit/test_tenant_policy.py fails first). The HTTP API, the CLI with
+``--url`` and every other ingress of the service go through :func:`admit`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import socket
+import time
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from ..runtime.config import (
+    DEFAULT_DISK,
+    DOCKER_DEFAULT_CAPABILITIES,
+    DOCKER_IN_SANDBOX_CAPABILITIES,
+    UNLIMITED,
+    EgressPolicy,
+    NetworkMode,
+    Platform,
+    SandboxConfig,
+    parse_size,
+)
+from ..runtime.errors import ConfigError, ImageReferenceError
+from ..runtime.images import parse_reference
+from ..runtime.images.reference import Transport
+from ..runtime.network.policy import NEVER, PRIVATE
+from . import _errors
+
+RESERVED_LABELS = "ray-sandbox/"  # the Ray layer's and the service's own labels
+FS_IMAGE_SCHEME = "fs-image://"  # a tenant's filesystem images (``_kept``)
+AUTO_PIDS_MAX = 4096  # the most pids_limit="auto" gives on any node (runtime/config.py)
+RESOLVE_TIMEOUT = 5.0
+
+
+class TenantPolicy(BaseModel):
+    """What one tenant may set. The defaults are safe for tenants who do not trust each
+    other or the operator's network (docs/security.md, "Tenants")."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    network_modes: tuple[NetworkMode, ...] = Field(
+        ("none", "public", "sandbox"), description="'host' shares the node's network")
+    capabilities: tuple[str, ...] = Field(
+        DOCKER_DEFAULT_CAPABILITIES, description="the most a sandbox may hold (inside gVisor)")
+    docker: bool = Field(False, description="docker=True (adds NET_ADMIN, SYS_ADMIN, "
+                         "SYS_PTRACE inside gVisor)")
+    disk_default: int = Field(DEFAULT_DISK, gt=0, description="cap when disk= is not given")
+    disk_max: int = Field(16 * 2**30, gt=0, description="largest disk= a tenant may ask for")
+    pids_max: int = Field(AUTO_PIDS_MAX, ge=256, description="largest pids_limit")
+    max_cpu: float | None = Field(None, gt=0, description="cores of one sandbox")
+    max_memory: int | None = Field(None, gt=0, description="bytes of one sandbox")
+    max_ttl_seconds: float | None = Field(None, gt=0, description="longest life; also the "
+                                          "default when the tenant gives none")
+    max_ports: int = Field(16, ge=0, description="published ports of one sandbox")
+    dns: tuple[str, ...] = Field((), description="resolvers a tenant may name in dns=")
+    egress_cidrs: tuple[str, ...] = Field(
+        (), description="non-public ranges a tenant may allow in egress.allow_cidrs")
+    private_domains: bool = Field(False, description="whether allow_domains answers may "
+                                  "open private addresses (internal services)")
+    registries: tuple[str, ...] = Field(
+        (), description="registries (host or host:port) a tenant may pull from although "
+                        "they are loopback, private, link-local or a node of the cluster")
+    host_images: bool = Field(False, description="images named by a path of the node "
+                              "(oci:, oci-archive:, docker-archive:, dir:)")
+    rootless: bool | Literal["auto"] = Field("auto", description="the operator's setting")
+    platform: Platform = Field("ptrace", description="the operator's setting")
+    directfs: bool = Field(True, description="the operator's setting (False hardens)")
+
+    @field_validator("disk_default", "disk_max", "max_memory", mode="before")
+    @classmethod
+    def _size(cls, v: Any) -> Any:
+        return parse_size(v) if isinstance(v, str) else v
+
+    @field_validator("egress_cidrs")
+    @classmethod
+    def _cidrs(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(str(ipaddress.ip_network(c, strict=False)) for c in v)
+
+    @field_validator("dns")
+    @classmethod
+    def _dns(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(str(ipaddress.ip_address(a)) for a in v)
+
+    @field_validator("capabilities", mode="before")
+    @classmethod
+    def _caps(cls, v: Any) -> Any:
+        return SandboxConfig._caps(v)
+
+
+def parse_policies(text: str, where: str) -> dict[str, TenantPolicy]:
+    """A policy file: JSON ``{"default": {...}, "tenants": {"alice": {...}}}``; a tenant's
+    entry is applied over the default's."""
+    try:
+        raw = json.loads(text)
+        if not isinstance(raw, dict) or set(raw) - {"default", "tenants"}:
+            raise ValueError('expected {"default": {...}, "tenants": {name: {...}}}')
+        base = raw.get("default") or {}
+        out = {"*": TenantPolicy.model_validate(base)}
+        for tenant, over in (raw.get("tenants") or {}).items():
+            out[tenant] = TenantPolicy.model_validate({**base, **over})
+        return out
+    except (ValueError, ValidationError) as exc:
+        raise ConfigError(f"bad tenant policy {where}: {exc}") from None
+
+
+def load_policies(path: Path) -> dict[str, TenantPolicy]:
+    try:
+        return parse_policies(path.read_text(), str(path))
+    except OSError as exc:
+        raise ConfigError(f"cannot read the tenant policy {path}: {exc.strerror}") from None
+
+
+# --- the node side: what no tenant's sandbox may reach --------------------------------------
+
+
+@dataclass
+class Nodes:
+    """The cluster's node addresses (asked of Ray at most every ``ttl`` seconds) and name
+    resolution with a bound: what the image and egress rules need."""
+
+    addresses: Callable[[], Iterable[str]]
+    ttl: float = 30.0
+    _cached: tuple[str, ...] = ()
+    _at: float = field(default=-1e9)
+
+    def known(self) -> tuple[str, ...]:
+        if time.monotonic() - self._at > self.ttl:
+            self._cached = tuple(sorted(set(self.addresses())))
+            self._at = time.monotonic()
+        return self._cached
+
+
+def ray_node_addresses() -> list[str]:
+    """Every address of every node Ray knows (alive or not: a node that comes back keeps
+    its address), and this node's own."""
+    import ray
+
+    out = [n.get("NodeManagerAddress", "") for n in ray.nodes()]
+    try:
+        out += [a[4][0] for a in socket.getaddrinfo(socket.gethostname(), None)]
+    except OSError:
+        pass
+    return [a for a in out if a]
+
+
+def _special(addr: str, nodes: Iterable[str]) -> bool:
+    """Loopback, link-local, private, multicast, reserved, unspecified, or a node's."""
+    ip = ipaddress.ip_address(addr)
+    if getattr(ip, "ipv4_mapped", None):
+        ip = ip.ipv4_mapped  # type: ignore[union-attr]
+    nets = [ipaddress.ip_network(c) for c in (*NEVER, *PRIVATE)]
+    return any(ip in n for n in nets if n.version == ip.version) or str(ip) in set(nodes)
+
+
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
+
+
+def _overlaps_special(cidr: str, nodes: Iterable[str]) -> bool:
+    net = ipaddress.ip_network(cidr, strict=False)
+    for c in (*NEVER, *PRIVATE, *nodes):
+        other = ipaddress.ip_network(c, strict=False)
+        if other.version == net.version and net.overlaps(other):
+            return True
+    return False
+
+
+_resolver = ThreadPoolExecutor(max_workers=4, thread_name_prefix="rsb-resolve")
+
+
+def resolve(host: str, timeout: float = RESOLVE_TIMEOUT) -> list[str]:
+    """``host``'s addresses (an address is itself); [] if it does not resolve. A lookup
+    that takes longer than ``timeout`` raises TimeoutError (the thread finishes on its own;
+    at most four run at once)."""
+    try:
+        return [str(ipaddress.ip_address(host))]
+    except ValueError:
+        pass
+
+    def lookup() -> list[str]:
+        try:
+            return sorted({str(a[4][0]) for a in socket.getaddrinfo(host, None)})
+        except OSError:
+            return []
+
+    return _resolver.submit(lookup).result(timeout=timeout)
+
+
+# --- the rules ------------------------------------------------------------------------------
+
+
+def Refused(name: str, rule: str) -> ConfigError:  # noqa: N802 - reads as a raise
+    """A tenant's option the policy refuses: the field and the rule, as a 400."""
+    return ConfigError(f"{name}: {rule} (tenant policy)")
+
+
+@dataclass(frozen=True)
+class Ask:
+    """One tenant's create: its policy, what it set, the config that will run."""
+
+    policy: TenantPolicy
+    given: Mapping[str, Any]
+    config: Any  # a SandboxConfig; None only for the operator's fields, checked before it is made
+    nodes: tuple[str, ...]
+    resolve: Callable[[str], list[str]]
+
+
+Rule = Callable[[Ask], dict[str, Any] | None]  # raises Refused, or returns options to set
+
+
+def _free(_: Ask) -> None:
+    """any value the runtime accepts"""
+
+
+def _image(a: Ask) -> None:
+    """registry images, ray-sandbox/ images and the tenant's own fs-image:// ones; a path
+    of the node only with host_images; a registry on a loopback, link-local, private or
+    node address only if listed in registries"""
+    image = a.given.get("image")
+    if not isinstance(image, str) or image.startswith(FS_IMAGE_SCHEME):
+        return  # the default image, or the tenant's own filesystem image (checked by _kept)
+    try:
+        ref = parse_reference(image)
+    except ImageReferenceError:
+        return  # the create reports it, as for any bad reference
+    if ref.reads_host_files and not a.policy.host_images:
+        raise Refused("image", f"{image!r} names files of the host; use a registry image "
+                               "or a ray-sandbox/ image")
+    if ref.transport is Transport.DOCKER and ref.registry not in a.policy.registries:
+        host = ref.host or ""
+        try:
+            addrs = [str(ipaddress.ip_address(host))] if _is_address(host) else a.resolve(host)
+        except TimeoutError:
+            raise Refused("image", f"registry {ref.registry!r} did not resolve within "
+                                   f"{RESOLVE_TIMEOUT:g} s") from None
+        # the same answer whatever listens there: never a port scanner of the node's side
+        if host == "localhost" or any(_special(x, a.nodes) for x in addrs):
+            raise Refused("image", f"registry {ref.registry!r} is on a loopback, private, "
+                                   "link-local or cluster address, which tenants may not "
+                                   "pull from (the operator may list it in the tenant "
+                                   "policy's registries)")
+
+
+def _limit(name: str, bound: str) -> Rule:
+    def rule(a: Ask) -> None:
+        value, most = getattr(a.config, name), getattr(a.policy, bound)
+        if value is None:
+            raise Refused(name, "a limit is required")
+        if most is not None and value > most:
+            raise Refused(name, f"at most {most} ({bound} of the tenant policy)")
+
+    rule.__doc__ = f"required; at most the policy's {bound}"
+    return rule
+
+
+def _disk(a: Ask) -> dict[str, Any] | None:
+    """always capped: disk_default when not given, at most disk_max; 'unlimited' refused"""
+    if a.given.get("disk") is None:  # the policy's default, not the Ray layer's
+        return {"disk": a.policy.disk_default}
+    disk = a.config.disk
+    if disk == UNLIMITED:
+        raise Refused("disk", "'unlimited' is refused: tenants' disks are always capped")
+    if isinstance(disk, int) and disk > a.policy.disk_max:
+        raise Refused("disk", f"at most {a.policy.disk_max} bytes (disk_max)")
+    return None
+
+
+def _pids(a: Ask) -> dict[str, Any] | None:
+    """'auto' or 256..pids_max; null (unbounded) refused"""
+    value = a.config.pids_limit
+    if value is None:
+        raise Refused("pids_limit", "null (unbounded) is refused: at most "
+                                    f"{a.policy.pids_max} (pids_max)")
+    if value == "auto":
+        return None if a.policy.pids_max >= AUTO_PIDS_MAX else {"pids_limit": a.policy.pids_max}
+    if value > a.policy.pids_max:
+        raise Refused("pids_limit", f"at most {a.policy.pids_max} (pids_max)")
+    return None
+
+
+def _caps(a: Ask) -> None:
+    """within the policy's capabilities (Docker's default set), plus Docker's three only
+    with docker=True where the policy allows it"""
+    allowed = set(a.policy.capabilities)
+    if a.config.docker:
+        allowed |= set(DOCKER_IN_SANDBOX_CAPABILITIES)
+    extra = sorted(set(a.config.effective_capabilities) - allowed)
+    if extra:
+        raise Refused("capabilities", f"{', '.join(extra)} not allowed (the tenant policy's "
+                                      "capabilities)")
+
+
+def _docker(a: Ask) -> None:
+    """only where the policy allows docker"""
+    if a.config.docker and not a.policy.docker:
+        raise Refused("docker", "docker=True is not allowed by the tenant policy")
+
+
+def _network(a: Ask) -> None:
+    """one of network_modes ('host' only where listed)"""
+    if a.config.network not in a.policy.network_modes:
+        raise Refused("network", f"{a.config.network!r} is not allowed (allowed: "
+                                 f"{', '.join(a.policy.network_modes)})")
+
+
+def _dns(a: Ask) -> None:
+    """only resolvers the policy lists in dns"""
+    bad = [d for d in a.config.dns or () if str(ipaddress.ip_address(d)) not in a.policy.dns]
+    if bad:
+        raise Refused("dns", f"{', '.join(bad)} not allowed (the tenant policy's dns)")
+
+
+def _egress(a: Ask) -> dict[str, Any] | None:
+    """allow_cidrs must be public (or within egress_cidrs); domain answers open no private
+    address (unless private_domains); every node of the cluster is denied"""
+    if a.config.network not in ("public", "sandbox"):
+        return None
+    eg = a.config.egress or EgressPolicy()
+    for cidr in eg.allow_cidrs:
+        net = ipaddress.ip_network(cidr)
+        inside = any(net.version == o.version and net.subnet_of(o)  # type: ignore[arg-type]
+                     for o in map(ipaddress.ip_network, a.policy.egress_cidrs))
+        if not inside and _overlaps_special(cidr, a.nodes):
+            raise Refused("egress", f"allow_cidrs {cidr} reaches loopback, private, "
+                                    "link-local or cluster addresses (the operator may list "
+                                    "ranges in the tenant policy's egress_cidrs)")
+    nodes = [f"{n}/{32 if ipaddress.ip_address(n).version == 4 else 128}" for n in a.nodes]
+    return {"egress": eg.model_copy(update={
+        "deny_cidrs": tuple(dict.fromkeys((*eg.deny_cidrs, *nodes))),
+        "private_domains": eg.private_domains and a.policy.private_domains,
+    }).model_dump(mode="json")}
+
+
+def _ports(a: Ask) -> None:
+    """at most max_ports"""
+    if len(a.config.expose_ports) > a.policy.max_ports:
+        raise Refused("expose_ports", f"at most {a.policy.max_ports} ports (max_ports)")
+
+
+def _ttl(a: Ask) -> dict[str, Any] | None:
+    """at most max_ttl_seconds, its default when given"""
+    most, ttl = a.policy.max_ttl_seconds, a.config.ttl_seconds
+    if most is None:
+        return None
+    if ttl is None:
+        return {"ttl_seconds": most}
+    if ttl > most:
+        raise Refused("ttl_seconds", f"at most {most:g} seconds (max_ttl_seconds)")
+    return None
+
+
+def _labels(a: Ask) -> None:
+    """keys outside ray-sandbox/ (the service's own)"""
+    if any(k.startswith(RESERVED_LABELS) for k in a.config.labels):
+        raise Refused("labels", f"keys starting with {RESERVED_LABELS!r} are reserved")
+
+
+def _operator(name: str) -> Rule:
+    def rule(a: Ask) -> dict[str, Any] | None:
+        wanted = getattr(a.policy, name)
+        if name in a.given and a.given[name] != wanted:
+            raise Refused(name, f"the operator's to set (here {wanted!r})")
+        return {name: wanted}
+
+    rule.__doc__ = "the operator's: the policy's value, whatever the tenant sends"
+    return rule
+
+
+def _never(_: Ask) -> None:
+    """code; it cannot cross to a tenant"""
+
+
+RULES: dict[str, Rule] = {
+    "image": _image, "cpu": _limit("cpu", "max_cpu"), "memory": _limit("memory", "max_memory"),
+    "disk": _disk, "pids_limit": _pids, "env": _free, "workdir": _free, "volumes": _free,
+    "shell": _free, "readonly": _free, "capabilities": _caps, "user": _free, "ttl_seconds": _ttl,
+    "idle_timeout_seconds": _free, "timeout_seconds": _free, "network": _network, "dns": _dns,
+    "egress": _egress, "expose_ports": _ports, "rootless": _operator("rootless"),
+    "platform": _operator("platform"), "directfs": _operator("directfs"), "docker": _docker,
+    "labels": _labels, "spec_transform": _never,
+}  # fmt: skip
+
+
+OPERATOR_FIELDS = ("rootless", "platform", "directfs")
+
+
+def describe() -> dict[str, str]:
+    """Each field's rule in words (docs/security.md's table is checked against it)."""
+    return {name: " ".join((rule.__doc__ or "").split()) for name, rule in RULES.items()}
+
+
+def admit(policy: TenantPolicy, given: Mapping[str, Any],
+          make: Callable[[dict[str, Any]], SandboxConfig], nodes: tuple[str, ...],
+          resolver: Callable[[str], list[str]] = resolve) -> dict[str, Any]:
+    """The options a tenant's create runs with: ``given`` (what it set) held to ``policy``
+    and completed by it. ``make`` turns options into the config that would run (the Ray
+    layer's defaults applied). Raises a 400 naming the field and the rule."""
+    unknown = sorted(set(given) - set(RULES))
+    if unknown:
+        raise _errors.refusal(400, f"{', '.join(unknown)}: no tenant policy covers this "
+                                   "option, so tenants may not set it")
+    options = dict(given)
+    try:
+        for name in OPERATOR_FIELDS:  # first: they decide whether the rest is valid at all
+            options.update(RULES[name](Ask(policy, given, None, nodes, resolver)) or {})
+        config = make(options)
+        for _ in range(2):  # what a rule sets (a disk cap, the operator's settings) is checked
+            ask = Ask(policy, given, config, nodes, resolver)
+            settled = {}
+            for rule in RULES.values():
+                settled.update(rule(ask) or {})
+            if all(options.get(k) == v for k, v in settled.items()):
+                break
+            options.update(settled)
+            config = make(options)
+    except ConfigError as exc:
+        raise _errors.refusal(400, exc.message) from None
+    return options

@@ -1,0 +1,209 @@
+"""Tenants are not operators (issue 31): on a real service over a real Ray cluster with real
+sandboxes, two tenants. Every option a hostile tenant set is held to its tenant policy (a 400
+naming the field and the rule, or the operator's value), one tenant's flood leaves the other
+served, and malformed requests are refused at the boundary without storing anything that
+breaks a later read. The rules themselves, one by one: tests/unit/test_tenant_policy.py."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from ray_sandbox.service._policy import TenantPolicy
+from tests.fx_service import Service, wait_exec, wait_running
+
+BUSYBOX = "ray-sandbox/busybox"
+SERVICE_QUOTAS = ("bob:sandboxes=4,cpu=2,memory=2Gi",)
+HANG = socket.socket()  # a "registry" that accepts and never answers: creates wait on it
+HANG.bind(("127.0.0.1", 0))
+HANG.listen(64)
+HANG_REGISTRY = f"127.0.0.1:{HANG.getsockname()[1]}"
+SERVICE_SETTINGS = {
+    "policies": {"*": TenantPolicy(disk_default="32Mi", disk_max="64Mi",
+                                   registries=[HANG_REGISTRY])},
+    "max_ongoing_requests": 16, "max_requests_per_tenant": 8, "max_long_polls_per_tenant": 4,
+    "max_pending_creates": 2, "max_running_execs_per_tenant": 6,
+    "max_result_bytes_per_tenant": 256 << 10, "max_execs_per_sandbox": 4,
+}
+
+
+def create(c: httpx.Client, **body) -> str:
+    r = c.post("/sandboxes", json={"image": BUSYBOX, "cpu": 0.1, "memory": "64Mi", **body})
+    assert r.status_code == 202, r.text
+    sid = r.json()["sandbox_id"]
+    info = wait_running(c, sid)
+    assert info["status"] == "running", info
+    return sid
+
+
+def refusal(r: httpx.Response, status: int) -> str:
+    assert r.status_code == status, r.text
+    return r.json()["error"]["message"]
+
+
+def run(c: httpx.Client, sid: str, command: str, **body) -> dict:
+    r = c.post(f"/sandboxes/{sid}/execs", json={"command": command, **body})
+    assert r.status_code == 202, r.text
+    return wait_exec(c, sid, r.json()["exec_id"])
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"network": "public", "egress": {"allow_cidrs": ["0.0.0.0/0"]}}, "egress"),
+    ({"network": "sandbox", "egress": {"allow_cidrs": ["127.0.0.1/32"]}}, "egress"),
+    ({"rootless": True}, "rootless"),
+    ({"pids_limit": None}, "pids_limit"),
+    ({"pids_limit": 4194304}, "pids_limit"),
+    ({"disk": "1Ti"}, "disk"),
+    ({"disk": "unlimited"}, "disk"),
+    ({"network": "public", "dns": ["127.0.0.1"]}, "dns"),
+    ({"capabilities": ["CAP_SYS_ADMIN", "CAP_NET_ADMIN", "CAP_SYS_MODULE"]}, "capabilities"),
+    ({"directfs": False}, "directfs"),
+    ({"network": "host"}, "network"),
+])
+def test_an_operators_option_is_a_400_naming_the_field(service: Service, body, field):
+    with service.client() as c:
+        msg = refusal(c.post("/sandboxes", json={"image": BUSYBOX, **body}), 400)
+        assert msg.startswith(f"{field}:") and "tenant policy" in msg, msg
+        assert c.get("/sandboxes").json()["sandboxes"] == []  # nothing was made
+
+
+def test_a_registry_on_the_nodes_side_is_refused_alike_whatever_listens(service: Service):
+    """The node pulled from any loopback port as root, and the error told an open port from
+    a closed one: a port scanner. Now both are one refusal, before any connection."""
+    with socket.socket() as listening, service.client() as c:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen(1)
+        answers = {refusal(c.post("/sandboxes", json={"image": f"127.0.0.1:{port}/x"}), 400)
+                   .replace(str(port), "PORT")
+                   for port in (listening.getsockname()[1], closed_port())}
+        assert len(answers) == 1 and "tenants may not pull from" in answers.pop()
+        refusal(c.post("/sandboxes", json={"image": "localhost:5000/x"}), 400)
+
+
+@pytest.mark.parametrize("body,where", [({"readonly": True, "workdir": "/w"}, "/w"),
+                                        ({"readonly": False}, "/var/x")])
+def test_a_tenants_writes_to_the_node_disk_are_capped(service: Service, body, where):
+    """disk= left out (or readonly with a workdir) gets the policy's default cap (32 MiB
+    here): 300 MiB were written to the node before."""
+    with service.client() as c:
+        sid = create(c, **body)
+        done = run(c, sid, f"mkdir -p {where} && dd if=/dev/zero of={where}/fill bs=1M "
+                           "count=48", timeout_seconds=60)
+        assert done["exit_code"] != 0 and "No space left" in done["stderr"], done
+        c.delete(f"/sandboxes/{sid}")
+
+
+def test_one_tenants_long_polls_leave_the_other_served(service: Service):
+    """60 long polls of one tenant against max_ongoing_requests=48 made the other's GET time
+    out: each tenant now holds at most its share of a replica (16 here, 4 long polls)."""
+    with service.client() as c, service.client("bob") as b:
+        sid = create(c)
+        slow = c.post(f"/sandboxes/{sid}/execs", json={"command": "sleep 20"}).json()
+
+        def poll(_: int) -> int:
+            with service.client() as own:
+                return own.get(f"/sandboxes/{sid}/execs/{slow['exec_id']}",
+                               params={"wait_seconds": 5}).status_code
+
+        with ThreadPoolExecutor(20) as pool:
+            polls = pool.map(poll, range(20))
+            time.sleep(0.5)  # the polls are in (each waits 5 s): the other tenant is served
+            r = b.get("/sandboxes", timeout=4)
+            assert r.status_code == 200, r.text
+            codes = sorted(polls)
+        assert codes.count(429) >= 16 - 4 and codes.count(200) >= 1, codes
+        c.delete(f"/sandboxes/{sid}")
+
+
+def test_creates_waiting_on_a_pull_hold_neither_the_threads_nor_the_other_tenant(
+        service: Service):
+    """Creates waiting (here on a registry that never answers) held the create threads, and
+    the other tenant's GET timed out. Now a tenant has at most max_pending_creates (2)."""
+    held = []
+    stop = threading.Event()
+
+    def accept() -> None:  # keep the connections open and silent
+        HANG.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(HANG.accept()[0])
+            except OSError:
+                pass
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        with service.client() as c, service.client("bob") as b:
+            body = {"image": f"{HANG_REGISTRY}/never:1", "cpu": 0.1, "memory": "64Mi"}
+            ids = [c.post("/sandboxes", json=body).json()["sandbox_id"] for _ in range(2)]
+            msg = refusal(c.post("/sandboxes", json=body), 429)
+            assert "max_pending_creates" in msg
+            assert b.get("/sandboxes", timeout=5).status_code == 200
+            sid = create(b)  # the other tenant's create does not wait behind them
+            b.delete(f"/sandboxes/{sid}")
+    finally:
+        stop.set()
+        HANG.close()  # nothing listens there any more...
+        for s in held:
+            s.close()  # ...and the pulls fail now, and the creates with them
+    with service.client() as c:
+        for sid in ids:
+            assert wait_running(c, sid)["status"] == "error"
+            c.delete(f"/sandboxes/{sid}")
+
+
+def test_running_execs_and_kept_results_are_per_tenant(service: Service):
+    with service.client() as c, service.client("bob") as b:
+        mine = [create(c) for _ in range(2)]
+        theirs = create(b)
+        first = b.post(f"/sandboxes/{theirs}/execs", json={"command": "echo kept"}).json()
+        assert wait_exec(b, theirs, first["exec_id"])["status"] == "completed"
+        # one tenant's running execs are bounded...
+        for i in range(6):
+            r = c.post(f"/sandboxes/{mine[i % 2]}/execs", json={"command": "sleep 30"})
+            assert r.status_code == 202, r.text
+        msg = refusal(c.post(f"/sandboxes/{mine[0]}/execs", json={"command": "true"}), 429)
+        assert "max_running_execs_per_tenant" in msg, msg
+        assert run(b, theirs, "echo served")["stdout"] == "served\n"  # the other is served
+        for sid in mine:  # deleting ends them and frees the count
+            c.delete(f"/sandboxes/{sid}")
+        # ...and its output evicts only its own results: 16 x 64 KiB over a 256 KiB share
+        sid = create(c)
+        for _ in range(16):
+            assert run(c, sid, "head -c 65536 /dev/zero | tr '\\0' x")["status"] == "completed"
+        r = b.get(f"/sandboxes/{theirs}/execs/{first['exec_id']}")
+        assert r.status_code == 200 and r.json()["stdout"] == "kept\n", r.text
+        c.delete(f"/sandboxes/{sid}")
+        b.delete(f"/sandboxes/{theirs}")
+
+
+def test_malformed_requests_are_refused_at_the_boundary(service: Service):
+    with service.client() as c:
+        # a lone surrogate (JSON "\ud800") in a label: it was stored, and every later listing
+        # of the tenant answered 500
+        raw = '{"image": "%s", "labels": {"k": "\\ud800"}}' % BUSYBOX
+        r = c.post("/sandboxes", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code in (400, 422), r.text
+        assert c.get("/sandboxes").status_code == 200
+        sid = create(c)
+        raw = '{"command": "cat", "stdin": "\\udc80"}'
+        for path in ("execs", "execs/stream"):
+            r = c.post(f"/sandboxes/{sid}/{path}", content=raw,
+                       headers={"content-type": "application/json"})
+            assert r.status_code in (400, 422), r.text
+        r = c.get("/sandboxes", headers={"x-big": "a" * (200 << 10)})
+        assert r.status_code == 431, r.text
+        r = c.get("/sandboxes", headers=[(f"x-h{i}", "1") for i in range(3000)])
+        assert r.status_code == 431, r.text
+        assert run(c, sid, "echo fine")["stdout"] == "fine\n"  # and it keeps serving
+        c.delete(f"/sandboxes/{sid}")
