@@ -191,7 +191,7 @@ def test_malformed_requests_are_refused_at_the_boundary(service: Service):
     with service.client() as c:
         # a lone surrogate (JSON "\ud800") in a label: it was stored, and every later listing
         # of the tenant answered 500
-        raw = '{"image": "%s", "labels": {"k": "\\ud800"}}' % BUSYBOX
+        raw = '{"image": "' + BUSYBOX + '", "labels": {"k": "\\ud800"}}'
         r = c.post("/sandboxes", content=raw, headers={"content-type": "application/json"})
         assert r.status_code in (400, 422), r.text
         assert c.get("/sandboxes").status_code == 200
