@@ -249,7 +249,9 @@ def books(**bounds):
     from ray_sandbox.service._state import Books, Bounds
 
     return Books(Bounds(**{"max_execs_per_sandbox": 2, "max_errored": 2, "max_snapshots": 1,
-                           "max_fs_images": 1, "create_timeout": 60.0, **bounds}))
+                           "max_fs_images": 1, "create_timeout": 60.0,
+                           "max_running_execs_per_tenant": 3,
+                           "max_result_bytes_per_tenant": 10, **bounds}))
 
 
 def test_the_books_keep_each_kind_per_tenant_within_its_own_limit():
@@ -319,6 +321,38 @@ def test_the_books_bound_exec_results_and_wake_a_waiting_poll():
         assert await b.exec_started("t", "s", "e3", 60) is None  # e1, finished, evicted
         assert await b.exec_record("t", "s", "e1") is None
         assert (await b.exec_record("t", "s", "e2"))["status"] == "running"
+
+    asyncio.run(run())
+
+
+def test_the_books_count_running_execs_and_kept_output_per_tenant():
+    """One tenant's execs (streamed ones too) are bounded, and its output evicts only its
+    own finished results: another tenant's 150 execs of 2 MiB evicted an unread result."""
+    import asyncio
+
+    def done(ex: str, out: str) -> dict:
+        return {"exec_id": ex, "status": "completed", "stdout": out}
+
+    async def run():
+        b = books()
+        assert await b.exec_started("u", "theirs", "kept", 60) is None
+        await b.exec_finished("theirs", "kept", done("kept", "yes"))
+        assert await b.exec_started("t", "s1", "a", 60) is None
+        assert await b.stream_started("t", "s1", "st", "key") is None
+        assert await b.exec_started("t", "s2", "b", 60) is None
+        assert "max_running_execs_per_tenant" in await b.exec_started("t", "s2", "c", 60)
+        assert "max_running_execs_per_tenant" in await b.stream_started("t", "s2", "x", "k")
+        assert await b.exec_started("u", "theirs", "more", 60) is None  # the other's own
+        await b.stream_ended("s1", "st")
+        assert await b.exec_started("t", "s2", "c", 60) is None
+        for ex in ("a", "b", "c"):  # 3 x 6 bytes over a share of 10: its own go
+            await b.exec_finished({"a": "s1"}.get(ex, "s2"), ex, done(ex, "x" * 6))
+        assert await b.exec_record("t", "s1", "a") is None
+        assert (await b.exec_record("t", "s2", "c"))["stdout"] == "xxxxxx"
+        assert (await b.exec_record("u", "theirs", "kept"))["stdout"] == "yes"
+        await b.gone("t", "s2")
+        for n in range(3):  # the deleted sandbox's execs count no more
+            assert await b.exec_started("t", f"s{3 + n}", "n", 60) is None
 
     asyncio.run(run())
 

@@ -34,6 +34,9 @@ def serve(
     replicas: Annotated[int, typer.Option(
         min=1, help="Serve replicas; more than one share their books through a state actor")
     ] = 1,
+    tenant_policy: Annotated[Path | None, typer.Option(
+        help="JSON file: what tenants' sandboxes may be, by default and per tenant (also "
+             "RAY_SANDBOX_API_TENANT_POLICY; docs/security.md, 'Tenants')")] = None,
     public_url: Annotated[str | None, typer.Option(
         help="where clients reach the service, for port URLs (also RAY_SANDBOX_API_PUBLIC_URL;"
              " default: the base each request came to)")] = None,
@@ -52,7 +55,8 @@ def serve(
                                   "num_replicas": replicas, "public_url": public_url}.items()
                 if v is not None}
     try:
-        config = from_env(tokens_file=tokens_file, quotas=tuple(quota), **settings)
+        config = from_env(tokens_file=tokens_file, quotas=tuple(quota),
+                          policy_file=tenant_policy, **settings)
     except ConfigError as exc:
         err.print(f"[red]error:[/red] {escape(str(exc))}")
         raise typer.Exit(2) from None

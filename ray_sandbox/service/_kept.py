@@ -116,7 +116,6 @@ class TenantKept:
             try:
                 await self._blocking(actor.delete_filesystem_image, kept["ref"])
             except ImageInUseError:  # in the tenant's words: no node, no path of one
-                raise _errors.refusal(409, f"{FS_IMAGE_SCHEME}{image_id} is in use by a "
-                                           "sandbox; delete the sandboxes made from it "
-                                           "first") from None
+                raise ImageInUseError(f"{FS_IMAGE_SCHEME}{image_id} is in use by a sandbox; "
+                                      "delete the sandboxes made from it first") from None
             await self._state("drop", FS_IMAGE, tenant, image_id)

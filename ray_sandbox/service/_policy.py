@@ -388,13 +388,21 @@ def _operator(name: str) -> Rule:
     return rule
 
 
+def _volumes(_: Ask) -> None:
+    """the tenant's own volumes, by the names it gave them (mapped by the service)"""
+
+
+def _workdir(_: Ask) -> None:
+    """any path the runtime accepts; with a read-only root it is on the capped disk"""
+
+
 def _never(_: Ask) -> None:
     """code; it cannot cross to a tenant"""
 
 
 RULES: dict[str, Rule] = {
     "image": _image, "cpu": _limit("cpu", "max_cpu"), "memory": _limit("memory", "max_memory"),
-    "disk": _disk, "pids_limit": _pids, "env": _free, "workdir": _free, "volumes": _free,
+    "disk": _disk, "pids_limit": _pids, "env": _free, "workdir": _workdir, "volumes": _volumes,
     "shell": _free, "readonly": _free, "capabilities": _caps, "user": _free, "ttl_seconds": _ttl,
     "idle_timeout_seconds": _free, "timeout_seconds": _free, "network": _network, "dns": _dns,
     "egress": _egress, "expose_ports": _ports, "rootless": _operator("rootless"),

@@ -174,3 +174,11 @@ def test_a_policy_file_gives_defaults_and_per_tenant_overrides(tmp_path):
     assert policies["ops"].dns == ("9.9.9.9",)  # the default's, under the override
     with pytest.raises(Exception, match="bad tenant policy"):
         parse_policies('{"default": {"no_such": 1}}', "test")
+
+
+def test_the_security_docs_show_every_rule_as_the_code_has_it():
+    from pathlib import Path
+
+    text = (Path(__file__).parents[2] / "docs" / "security.md").read_text()
+    for field, rule in _policy.describe().items():
+        assert f"| `{field}` | {rule} |" in text, field
