@@ -240,6 +240,9 @@ class Launcher:
                 detach: bool) -> SandboxRecord:
         """Start a copy of a snapshot under ``sandbox_id``. On failure the caller destroys it
         (the copy is retried as a whole)."""
+        # The caller's id: maybe that of a sandbox just deleted, whose teardown unpins the
+        # same owner, so it is finished before the pin.
+        self._settle(sandbox_id)
         image = self._pinned(snap.image, sandbox_id)
         if image.digest != snap.image_digest:
             raise SnapshotCorruptError(
@@ -247,7 +250,6 @@ class Launcher:
                 f"{snap.image_digest}", sandbox_id=sandbox_id,
             )
         sdir = self._records.sdir(sandbox_id)
-        self._settle(sandbox_id)  # the caller's id: maybe that of a sandbox just deleted
         sdir.create()
         attachment, overlay = self._prepare(sandbox_id, sdir, cfg, image, upper=sd.upper)
         if sd.work.is_dir():
