@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from ray_sandbox.runtime import ImageStore, SandboxRuntime, _mount, reaper
-from ray_sandbox.runtime.errors import ImageInUseError
+from ray_sandbox.runtime.errors import ImageInUseError, SandboxCreationError
 from ray_sandbox.runtime.images import pins
 from tests.fx_images import busybox_variant, scratch_dir
 from tests.fx_runtime import leftovers, leftovers_after_teardown
@@ -42,6 +42,26 @@ def test_a_restore_under_a_used_id_keeps_its_pin(runtime):
     finally:
         runtime.delete(sid)
         runtime.delete_snapshot(snap)
+
+
+def test_a_restore_that_fails_before_its_record_leaves_no_pin(runtime, default_image):
+    """The copy is pinned before its record is written; a failure in between (here the
+    snapshot names another image digest than the node has) is torn down without a record,
+    and its pin goes with it, not only at the home's next gc."""
+    src = runtime.create(image="ray-sandbox/busybox", memory="64Mi")
+    snap = runtime.snapshot(src)
+    runtime.delete(src)
+    _, sd = runtime.snapshots.open(snap)
+    sd.write(snap.model_copy(update={"image_digest": default_image.digest}))
+    sid = uuid.uuid4().hex
+    try:
+        with pytest.raises(SandboxCreationError, match="the snapshot needs"):
+            runtime.restore(snap.snapshot_id, sandbox_ids=[sid])
+        assert runtime._launcher._pin_owner(sid) not in {
+            p.owner for p in runtime.images.pin_list()}
+    finally:
+        runtime.delete_snapshot(snap.snapshot_id)
+    assert leftovers_after_teardown(runtime.home, {src, sid}) == {}
 
 
 PINNER = textwrap.dedent(
