@@ -18,6 +18,9 @@ from ray_sandbox.runtime.paths import home
 from ray_sandbox.runtime.records import present
 
 _ID = re.compile(r"^[0-9a-f]{32}$")
+# The node's image store, which every test's runtime shares; fixed when the run starts, since
+# Ray fixtures point RAY_SANDBOX_HOME at their own homes meanwhile.
+NODE_IMAGES = home() / "images"
 
 
 def leftovers(rt_home: Path, ids: set[str] = frozenset(),
@@ -49,7 +52,7 @@ def leftovers(rt_home: Path, ids: set[str] = frozenset(),
                      if str(rt_home) in line]
     out["loops"] = loops_backed_by(rt_home)
     key = pins.home_key(rt_home)
-    out["pins"] = [f"{p.digest} {p.owner}" for p in store_pins(store or home() / "images")
+    out["pins"] = [f"{p.digest} {p.owner}" for p in store_pins(store or NODE_IMAGES)
                    if p.key == key]
     return {k: v for k, v in out.items() if v}
 
@@ -82,7 +85,7 @@ def loops_backed_by(prefix: Path) -> list[str]:
 
 @pytest.fixture(scope="session")
 def image_store() -> ImageStore:
-    return ImageStore(home() / "images")
+    return ImageStore(NODE_IMAGES)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -91,7 +94,7 @@ def no_stale_pins_at_the_end(tmp_path_factory) -> Iterator[None]:
     (new since its start) that names one of the run's homes (every sandbox the run made is
     gone by its end), or any home that no longer has the sandbox (stale: nothing would ever
     remove it but a gc)."""
-    root = home() / "images"
+    root = NODE_IMAGES
     before = {(p.digest, p.owner) for p in store_pins(root)}
     yield
     ours = tmp_path_factory.getbasetemp().resolve()
@@ -173,4 +176,5 @@ def pids_inside(runtime: SandboxRuntime, sid: str) -> list[str]:
     return [line for line in res.stdout.splitlines() if line.strip()]
 
 
-__all__ = ["leftovers", "leftovers_after_teardown", "loops_backed_by", "pids_inside", "os"]
+__all__ = ["NODE_IMAGES", "leftovers", "leftovers_after_teardown", "loops_backed_by", "pids_inside",
+           "os"]
