@@ -241,7 +241,7 @@ def test_doctor_reports_stale_pins_and_gc_removes_them(tmp_path, temp_store, bus
     doctor = cli("doctor", "--json")
     (check,) = [c for c in json.loads(doctor.stdout)["checks"] if c["name"] == "image pins"]
     assert not check["ok"], check
-    assert "1 of sandboxes that no home has any more" in check["detail"]
+    assert "stale: 1, of sandboxes that no home has any more" in check["detail"]
     assert doctor.returncode == 1
     gc = cli("gc", "--json")
     assert gc.returncode == 0, gc.stderr

@@ -407,10 +407,10 @@ def image_pins(home: Path | None = None, root: Path | None = None) -> Check | No
     pins = store.pin_list()
     stale = reaper.stale_pins(store, home)
     unknown = [p for p in reaper.stale_pins(store, home, unknown=True) if p not in stale]
-    detail = (f"{len(pins)} pins in {root}; " + (
-        f"{len(stale)} of sandboxes that no home has any more keep "
-        f"{len({p.digest for p in stale})} images from eviction and removal: "
-        "`ray-sandbox gc` removes them" if stale else "none stale"))
+    detail = (f"{len(pins)} pin(s) in {root}; " + (
+        f"stale: {len(stale)}, of sandboxes that no home has any more, keeping "
+        f"{len({p.digest for p in stale})} image(s) from eviction and removal "
+        "(`ray-sandbox gc` removes them)" if stale else "none stale"))
     if unknown:
         detail += (f"; {len(unknown)} older than {GRACE_S:g}s name no home (written by an "
                    "older version) and are kept: `ray-sandbox gc --unknown-pins` removes them "
