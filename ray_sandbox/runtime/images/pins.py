@@ -19,8 +19,8 @@ pin (:func:`stale`):
   statements between the pin and the ``mkdir`` (a restore settles a previous sandbox of its
   id before pinning, so no wait falls in it); ``GRACE_S`` is a margin for a stalled process,
   not a timing the code relies on. A pin whose writer died has nothing in flight and is
-  stale at once. We chose a grace period over making the directory first, because the
-  directory would then exist during a pull of any length and be reaped as a dead create.
+  stale at once. A grace period rather than the directory first: the directory would then
+  exist during a pull of any length and be reaped as a dead create.
 - the final check and the unlink run under the image's lock (``img-<hex>``), which
   :func:`pin` also holds, so a pin rewritten meanwhile (an id used again) is never removed.
 
@@ -32,10 +32,10 @@ takes those older than ``GRACE_S`` whose sandbox's home no process can name: onl
 that no runtime of an older version uses. Pins of other owners (any name not
 ``<12 hex>:<32 hex>``, e.g. a user's own ``pin(digest, "mine")``) are never judged.
 
-Limit: the check reads the home's path, so the homes sharing a store must see each other at
-the paths they have (one mount namespace, or pods that each get the node's view of the
-path). Two pods whose homes have the same path in their own mount namespaces share one key
-and cannot be told apart (docs/images.md).
+Limit: the home's path is looked up in the checking process's mount namespace, so every
+process using a store must see the homes that share it at their paths (one node's mount
+namespace). Pods in mount namespaces of their own whose homes have the same path share one
+key and cannot be told apart: give each home its own path or its own store (docs/images.md).
 """
 
 from __future__ import annotations
