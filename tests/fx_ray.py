@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from ray_sandbox.runtime.paths import images
-from tests.fx_runtime import leftovers
+from tests.fx_runtime import NODE_IMAGES, leftovers
 
 # Tests of the Ray layer run with the hosts' stock off, so that what they count (sandboxes,
 # slots, reservations) is what they made; tests/test_stock.py turns it on.
@@ -61,10 +61,12 @@ def ray_cluster(ray_home, ray_metrics_port):
 
 
 def assert_reaped_clean(home: Path) -> None:
-    """Reap what a killed host left in ``home``, then check nothing of ours is left."""
-    from ray_sandbox.runtime import SandboxRuntime
+    """Reap what a killed host left in ``home``, then check nothing of ours is left. The
+    reaper uses the node's image store, as the hosts did: a teardown it finishes unpins there
+    (after homes_cluster the environment no longer names that store)."""
+    from ray_sandbox.runtime import ImageStore, SandboxRuntime
 
-    SandboxRuntime(home, reap=True)
+    SandboxRuntime(home, reap=True, images=ImageStore(NODE_IMAGES))
     assert leftovers(home) == {}, leftovers(home)
 
 

@@ -12,16 +12,24 @@ from pathlib import Path
 import pytest
 
 from ray_sandbox.runtime import ImageStore, SandboxRuntime, disk
+from ray_sandbox.runtime.images import pins
+from ray_sandbox.runtime.images.storedir import StoreDir
 from ray_sandbox.runtime.paths import home
+from ray_sandbox.runtime.records import present
 
 _ID = re.compile(r"^[0-9a-f]{32}$")
+# The node's image store, which every test's runtime shares; fixed when the run starts, since
+# Ray fixtures point RAY_SANDBOX_HOME at their own homes meanwhile.
+NODE_IMAGES = home() / "images"
 
 
-def leftovers(rt_home: Path, ids: set[str] = frozenset()) -> dict[str, list[str]]:
+def leftovers(rt_home: Path, ids: set[str] = frozenset(),
+              store: Path | None = None) -> dict[str, list[str]]:
     """Everything a sandbox could leave behind on the host, for the given runtime home and
-    (for cgroups, which are global) the given sandbox ids."""
+    (for cgroups, which are global) the given sandbox ids: also the home's image pins in
+    ``store`` (default: the node's image store, which tests share)."""
     out: dict[str, list[str]] = {"processes": [], "cgroups": [], "sandbox_dirs": [],
-                                 "runsc_state": [], "mounts": [], "loops": []}
+                                 "runsc_state": [], "mounts": [], "loops": [], "pins": []}
     marker = f"--root={rt_home / 'runsc'}".encode()
     for p in Path("/proc").iterdir():
         if p.name.isdigit():
@@ -43,7 +51,18 @@ def leftovers(rt_home: Path, ids: set[str] = frozenset()) -> dict[str, list[str]
     out["mounts"] = [line for line in Path("/proc/self/mountinfo").read_text().splitlines()
                      if str(rt_home) in line]
     out["loops"] = loops_backed_by(rt_home)
+    key = pins.home_key(rt_home)
+    out["pins"] = [f"{p.digest} {p.owner}" for p in store_pins(store or NODE_IMAGES)
+                   if p.key == key]
     return {k: v for k, v in out.items() if v}
+
+
+def store_pins(root: Path) -> list[pins.Pin]:
+    """Every pin in the image store at ``root`` (none if there is no store), read only."""
+    try:
+        return list(pins.listing(StoreDir(root)))
+    except FileNotFoundError:
+        return []
 
 
 def leftovers_after_teardown(rt_home: Path, ids: set[str] = frozenset(),
@@ -66,7 +85,30 @@ def loops_backed_by(prefix: Path) -> list[str]:
 
 @pytest.fixture(scope="session")
 def image_store() -> ImageStore:
-    return ImageStore(home() / "images")
+    return ImageStore(NODE_IMAGES)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_stale_pins_at_the_end(tmp_path_factory) -> Iterator[None]:
+    """Fails the run if the node's shared image store ends with a pin made during the run
+    (new since its start) that names one of the run's homes (every sandbox the run made is
+    gone by its end), or any home that no longer has the sandbox (stale: nothing would ever
+    remove it but a gc)."""
+    root = NODE_IMAGES
+    before = {(p.digest, p.owner) for p in store_pins(root)}
+    yield
+    ours = tmp_path_factory.getbasetemp().resolve()
+    left = []
+    for p in store_pins(root):
+        if (p.digest, p.owner) in before or p.home is None or p.sandbox_id is None:
+            continue
+        if p.home.is_relative_to(ours):
+            left.append(f"{p.digest} {p.owner}: home {p.home} of this run, sandbox "
+                        + ("still there" if present(p.home / "sandboxes", p.sandbox_id)
+                           else "gone"))
+        elif pins.stale(p, lambda h, sid: present(h / "sandboxes", sid)):
+            left.append(f"{p.digest} {p.owner}: home {p.home}, sandbox gone")
+    assert not left, f"pins left in {root} by this run: {left}"
 
 
 @pytest.fixture(scope="module")
@@ -134,4 +176,5 @@ def pids_inside(runtime: SandboxRuntime, sid: str) -> list[str]:
     return [line for line in res.stdout.splitlines() if line.strip()]
 
 
-__all__ = ["leftovers", "leftovers_after_teardown", "loops_backed_by", "pids_inside", "os"]
+__all__ = ["NODE_IMAGES", "leftovers", "leftovers_after_teardown", "loops_backed_by", "pids_inside",
+           "os"]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ray_sandbox.runtime import SandboxRuntime
+from ray_sandbox.runtime import ImageStore, SandboxRuntime
 from ray_sandbox.runtime.paths import images
 from tests.fx_runtime import leftovers
 
@@ -58,6 +58,6 @@ def test_sandbox_demand_scales_the_cluster_up_from_zero_and_back_down(
         assert r["end_workers"] == 0 and r["scaled_down_s"] is not None, r["timeline"]
         assert _cmdlines_with(r["temp_dir"]) == []  # every process of the cluster is gone
     finally:
-        SandboxRuntime(home)  # reap anything a failed run left
+        SandboxRuntime(home, images=ImageStore(images()))  # reap what a failed run left
     ids = {x["sandbox_id"] for x in r["runs"]}
     assert leftovers(home, ids) == {}, leftovers(home, ids)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ray_sandbox.runtime import SandboxRuntime
+from ray_sandbox.runtime import ImageStore, SandboxRuntime
 from ray_sandbox.runtime.paths import images
 from tests.fx_runtime import leftovers
 
@@ -27,7 +27,7 @@ def _run(tmp_path: Path, script: str, *args: str) -> str:
                               capture_output=True, text=True, timeout=240)
         assert proc.returncode == 0, proc.stderr[-3000:]
     finally:
-        SandboxRuntime(home)  # reap what a failed run left
+        SandboxRuntime(home, images=ImageStore(images()))  # reap what a failed run left
     assert leftovers(home) == {}, leftovers(home)
     return proc.stdout
 

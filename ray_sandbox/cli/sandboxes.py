@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ..runtime import SandboxConfig, SandboxRuntime
+from ..runtime import SandboxConfig, SandboxRuntime, reaper
 from ..runtime.errors import ConfigError, SandboxError
 from . import _remote
 from ._options import Opts, sandbox_config
@@ -196,15 +196,29 @@ def rm(sandbox_ids: list[str]) -> None:
 
 
 @app.command()
-def gc(as_json: bool = typer.Option(False, "--json")) -> None:
-    """Remove sandboxes whose owner died, expired ones, and orphaned runsc state."""
-    removed = SandboxRuntime(reap=False).gc()
+def gc(
+    as_json: bool = typer.Option(False, "--json"),
+    unknown_pins: bool = typer.Option(
+        False, "--unknown-pins",
+        help="also remove sandbox pins that name no home (written by a version before pins "
+        "named their home) and are older than a minute: only once no runtime of such a "
+        "version uses the image store"),
+) -> None:
+    """Remove sandboxes whose owner died, expired ones, orphaned runsc state, and image pins of
+    sandboxes that no home on the image store has any more."""
+    rt = SandboxRuntime(reap=False)
+    unpinned = reaper.unpin_stale(rt.images, rt.home, unknown=unknown_pins)
+    removed = rt.gc()
     if as_json:
-        typer.echo(json.dumps({"removed": removed}))
+        typer.echo(json.dumps({"removed": removed, "unpinned": [
+            {"image": p.digest, "owner": p.owner, "home": p.home and str(p.home)}
+            for p in unpinned]}))
     else:
         for sid in removed:
             typer.echo(sid)
-        err.print(f"removed {len(removed)} sandbox(es)")
+        for p in unpinned:
+            typer.echo(f"unpinned {p.digest} {p.owner} (home {p.home or 'unknown'})")
+        err.print(f"removed {len(removed)} sandbox(es), {len(unpinned)} stale image pin(s)")
 
 
 @app.command()

@@ -10,9 +10,11 @@ from typing import NamedTuple
 
 from pydantic import BaseModel
 
-from . import disk
+from . import disk, paths, reaper
 from .config import node_pid_max, node_pids_limit
 from .errors import SandboxError
+from .images import ImageStore
+from .images.pins import GRACE_S
 from .procfs import CGROUP_ROOT
 from .runsc import TARGET_VERSION, Runsc
 
@@ -388,7 +390,32 @@ def diagnose() -> Report:
                             "only by memory)")
     ceil = ceiling(node_limits())
     checks.append(Check(name="ceiling", ok=ceil.sandboxes > 0, detail=ceil.summary()))
+    if (pins := image_pins()) is not None:
+        checks.append(pins)
     return Report(checks=checks, not_enforced=not_enforced, ceiling=ceil)
+
+
+def image_pins(home: Path | None = None, root: Path | None = None) -> Check | None:
+    """Pins in the node's image store (``root``, default ``paths.images()``) that keep images
+    for sandboxes no home has any more (``ray-sandbox gc`` removes them), and old pins that
+    name no home; None without a store."""
+    home = home or paths.home()
+    root = root or paths.images(home)
+    if not (root / "sha256").is_dir():
+        return None
+    store = ImageStore(root)
+    pins = store.pin_list()
+    stale = reaper.stale_pins(store, home)
+    unknown = [p for p in reaper.stale_pins(store, home, unknown=True) if p not in stale]
+    detail = (f"{len(pins)} pin(s) in {root}; " + (
+        f"stale: {len(stale)}, of sandboxes that no home has any more, keeping "
+        f"{len({p.digest for p in stale})} image(s) from eviction and removal "
+        "(`ray-sandbox gc` removes them)" if stale else "none stale"))
+    if unknown:
+        detail += (f"; {len(unknown)} older than {GRACE_S:g}s name no home (written by an "
+                   "older version) and are kept: `ray-sandbox gc --unknown-pins` removes them "
+                   "once no runtime of that version uses this store")
+    return Check(name="image pins", ok=not stale, detail=detail)
 
 
 def _has_pids_controller() -> bool:

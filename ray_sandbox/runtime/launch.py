@@ -7,7 +7,6 @@ the sandbox stops at once, the rest is torn down in the background (:class:`Tear
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -36,6 +35,7 @@ from .errors import (
     VolumeNotFoundError,
 )
 from .images import Image, ImageStore
+from .images.pins import home_key
 from .records import ID_RE, Records, SandboxRecord, owner_fields
 from .runsc import Runsc
 from .snapshot import Snapshot, SnapshotDir, copy_tree, rewrite_paths
@@ -212,10 +212,11 @@ class Launcher:
         self._connections = connections
         self.runsc = runsc
         self.images = images
+        self.home = home
         self._disks = home / "disks"
-        # Image pins are `<home key>:<id>`, so that runtimes of several homes on one shared
-        # image store never take each other's pins for stale ones.
-        self._pin_prefix = hashlib.sha256(str(home.resolve()).encode()).hexdigest()[:12] + ":"
+        # Image pins are `<home key>:<id>` and name the home (images/pins.py), so that any
+        # runtime on a shared store can tell a pin whose sandbox is gone.
+        self._pin_prefix = home_key(home) + ":"
         self._teardowns = Teardowns(self._teardown, workers=TEARDOWN_WORKERS,
                                     limit=TEARDOWN_QUEUE)
 
@@ -240,6 +241,9 @@ class Launcher:
                 detach: bool) -> SandboxRecord:
         """Start a copy of a snapshot under ``sandbox_id``. On failure the caller destroys it
         (the copy is retried as a whole)."""
+        # The caller's id: maybe that of a sandbox just deleted, whose teardown unpins the
+        # same owner, so it is finished before the pin.
+        self._settle(sandbox_id)
         image = self._pinned(snap.image, sandbox_id)
         if image.digest != snap.image_digest:
             raise SnapshotCorruptError(
@@ -247,7 +251,6 @@ class Launcher:
                 f"{snap.image_digest}", sandbox_id=sandbox_id,
             )
         sdir = self._records.sdir(sandbox_id)
-        self._settle(sandbox_id)  # the caller's id: maybe that of a sandbox just deleted
         sdir.create()
         attachment, overlay = self._prepare(sandbox_id, sdir, cfg, image, upper=sd.upper)
         if sd.work.is_dir():
@@ -276,7 +279,7 @@ class Launcher:
         for attempt in range(3):
             image = self.images.get(ref)
             try:
-                self.images.pin(image.digest, self._pin_owner(sandbox_id))
+                self.images.pin(image.digest, self._pin_owner(sandbox_id), home=self.home)
                 return image
             except ImageNotFoundError:
                 if attempt == 2:
@@ -470,11 +473,10 @@ class Launcher:
         except SandboxError as exc:
             errors.append(exc)
         rec = self._records.read(sandbox_id)
-        if rec is not None:
-            try:  # e.g. the store's lock held past its timeout: the mounts must still go
-                self.images.unpin(rec.image_digest, self._pin_owner(sandbox_id))
-            except SandboxError as exc:
-                errors.append(exc)
+        try:  # e.g. the store's lock held past its timeout: the mounts must still go
+            self._unpin(sandbox_id, rec)
+        except SandboxError as exc:
+            errors.append(exc)
         for cg in procfs.cgroup_dirs(sandbox_id):
             with contextlib.suppress(OSError):
                 cg.rmdir()
@@ -500,6 +502,18 @@ class Launcher:
         self._records.unbury(sandbox_id)
         if errors:
             raise errors[0]
+
+    def _unpin(self, sandbox_id: str, rec: SandboxRecord | None) -> None:
+        """Drop the sandbox's image pin; without a record (a restore that failed before
+        writing it) its pin is looked for on every image."""
+        owner = self._pin_owner(sandbox_id)
+        if rec is not None:
+            self.images.unpin(rec.image_digest, owner)
+            return
+        with contextlib.suppress(OSError):  # a store wiped under us: nothing to unpin
+            for digest in {image.digest for image in self.images.list()}:
+                if owner in self.images.pins(digest):
+                    self.images.unpin(digest, owner)
 
     def _delete_volumes_with(self, rec: SandboxRecord, errors: list[Exception]) -> None:
         """The sandbox's ``on_delete="delete"`` volumes, each unless another sandbox still
@@ -545,15 +559,6 @@ class Launcher:
                          _DRAIN_WAIT_S)
             return
         self.finish_teardowns()
-
-    def unpin_stale(self, live: set[str]) -> None:
-        """Drop this home's image pins of sandboxes that are gone. The store may be shared by
-        several homes: only this home's pins are ours to judge."""
-        mine = {self._pin_owner(sid) for sid in live}
-        for image in self.images.list():
-            for owner in self.images.pins(image.digest) - mine:
-                if owner.startswith(self._pin_prefix) and ID_RE.match(owner.split(":")[1]):
-                    self.images.unpin(image.digest, owner)
 
 
 def _runsc_log(sdir: SandboxDir) -> str:

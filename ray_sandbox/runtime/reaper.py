@@ -1,6 +1,7 @@
 """Ending what should not run any more: sandboxes past their TTL, and everything dead
 owners left behind (sandboxes whose creator died, runsc containers and processes without a
-record, network state, snapshots, image pins, mounts of volumes no sandbox uses)."""
+record, network state, snapshots, mounts of volumes no sandbox uses), and image pins of
+sandboxes that no longer exist in any home on the store (:mod:`.images.pins`)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from . import _subreaper, network, procfs
 from .errors import SandboxError
+from .images import ImageStore
+from .images.pins import Pin, stale
 from .launch import Launcher
-from .records import ID_RE, Records
+from .records import ID_RE, Records, present
 from .runsc import Runsc
 from .snapshot import SnapshotStore
 
@@ -81,7 +85,7 @@ def gc(records: Records, launcher: Launcher, snapshots: SnapshotStore) -> list[s
     kill_stray_runsc(runsc, live)
     network.gc(live, records.dir)
     removed += snapshots.gc()
-    launcher.unpin_stale(live)
+    unpin_stale(launcher.images, launcher.home)
     launcher.volumes.release_idle()  # e.g. a creator that died between mount and bind
     return sorted(set(removed))
 
@@ -102,3 +106,23 @@ def kill_stray_runsc(runsc: Runsc, live: set[str]) -> None:
         if killed:
             time.sleep(0.01)
     _subreaper.reap_orphans()
+
+
+def _present(home: Path, sandbox_id: str) -> bool:
+    return present(home / "sandboxes", sandbox_id)
+
+
+def stale_pins(images: ImageStore, home: Path, *, unknown: bool = False) -> list[Pin]:
+    """The pins in ``images`` of sandboxes that no home has any more (any home's, not only
+    ``home``'s, whose key also maps this home's old pins that name no home)."""
+    return [p for p in images.pin_list()
+            if stale(p, _present, own_home=home, unknown=unknown)]
+
+
+def unpin_stale(images: ImageStore, home: Path, *, unknown: bool = False) -> list[Pin]:
+    """Remove :func:`stale_pins`, each checked again under its image's lock; returns them."""
+    removed = images.unpin_stale(_present, own_home=home, unknown=unknown)
+    for p in removed:
+        _log.info("removed the stale image pin %s of %s (home %s)", p.owner, p.digest,
+                  p.home or "unknown")
+    return removed

@@ -102,6 +102,21 @@ def tombstone_file(sandboxes_dir: Path, sandbox_id: str) -> Path:
     return sandboxes_dir / f"{sandbox_id}{_TOMBSTONE}"
 
 
+def present(sandboxes_dir: Path, sandbox_id: str) -> bool:
+    """Whether a home still has the sandbox, in any state: its directory (being made, live, or
+    dead and left for that home's gc) or its tombstone (a teardown not finished). What cannot
+    be read counts as present: only a sandbox known to be gone frees its image pin."""
+    for path in (sandboxes_dir / sandbox_id, tombstone_file(sandboxes_dir, sandbox_id)):
+        try:
+            os.lstat(path)
+            return True
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except OSError:
+            return True
+    return False
+
+
 def check_id(sandbox_id: object) -> None:
     if not isinstance(sandbox_id, str) or not ID_RE.match(sandbox_id):
         raise SandboxNotFoundError(f"not a sandbox id: {sandbox_id!r}", sandbox_id=None)

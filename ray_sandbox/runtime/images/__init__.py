@@ -1,7 +1,7 @@
 """Images for sandboxes: :mod:`.reference` parses what users write, :mod:`.models` holds what
 the store knows about an image, :mod:`.store` is the node-local :class:`ImageStore`, whose
-files, locks and work directories are in :mod:`.storedir` and whose pins and deletions are in
-:mod:`.eviction`. See docs/images.md."""
+files, locks and work directories are in :mod:`.storedir`, whose pins (and when one is stale)
+are in :mod:`.pins` and whose deletions are in :mod:`.eviction`. See docs/images.md."""
 
 from __future__ import annotations
 

@@ -1,42 +1,18 @@
-"""What keeps an image in the store (pins) and what deletes it: remove, prune, least recently
-used eviction down to ``max_bytes``, and the cleanup of pool blobs and references that point
+"""What deletes images: remove, prune, least recently used eviction down to ``max_bytes``
+(never a pinned image: :mod:`.pins`), and the cleanup of pool blobs and references that point
 at deleted images."""
 
 from __future__ import annotations
 
 import os
-import re
 import tempfile
 import time
 from pathlib import Path
 
-from ..errors import ConfigError, ImageBusyError, ImageInUseError, ImageNotFoundError
+from ..errors import ImageBusyError, ImageInUseError, ImageNotFoundError
+from .pins import owners
 from .reference import _hex
 from .storedir import StoreDir, _rmtree
-
-_OWNER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:@-]{0,199}$")
-
-
-def pin(store_dir: StoreDir, digest: str, owner: str) -> None:
-    if not _OWNER.match(owner):
-        raise ConfigError(f"pin owner must match {_OWNER.pattern}, got {owner!r}")
-    with store_dir.locked(f"img-{_hex(digest)}", time.monotonic() + 60):
-        pin_dir = store_dir.image(digest) / "pins"
-        if not pin_dir.is_dir():
-            raise ImageNotFoundError(f"{digest} is not in the image store")
-        (pin_dir / owner).touch()
-
-
-def unpin(store_dir: StoreDir, digest: str, owner: str) -> None:
-    if _OWNER.match(owner):
-        (store_dir.image(digest) / "pins" / owner).unlink(missing_ok=True)
-
-
-def pins(store_dir: StoreDir, digest: str) -> set[str]:
-    try:
-        return set(os.listdir(store_dir.image(digest) / "pins"))
-    except FileNotFoundError:
-        return set()
 
 
 def remove(store_dir: StoreDir, digest: str, *, untag: Path | None, name: str) -> list[str]:
@@ -49,8 +25,8 @@ def remove(store_dir: StoreDir, digest: str, *, untag: Path | None, name: str) -
         if not stored and not refs:
             raise ImageNotFoundError(f"{name} is not in the image store")
         deletes_image = stored and len(doomed) == len(refs)
-        if deletes_image and (owners := pins(store_dir, digest)):
-            raise ImageInUseError(f"{digest} is pinned by {sorted(owners)}")
+        if deletes_image and (pinned := owners(store_dir, digest)):
+            raise ImageInUseError(f"{digest} is pinned by {sorted(pinned)}")
         for path in doomed:
             path.unlink(missing_ok=True)
         removed = [digest] if deletes_image and _delete_image(store_dir, digest) else []
@@ -101,7 +77,7 @@ def _delete_image(store_dir: StoreDir, digest: str) -> bool:
 def _delete_if_unpinned(store_dir: StoreDir, digest: str, timeout: float = 1.0) -> bool:
     try:
         with store_dir.locked(f"img-{_hex(digest)}", time.monotonic() + timeout):
-            return not pins(store_dir, digest) and _delete_image(store_dir, digest)
+            return not owners(store_dir, digest) and _delete_image(store_dir, digest)
     except ImageBusyError:
         return False  # someone is pinning or removing it right now: not a candidate
 

@@ -24,6 +24,7 @@ from ..errors import (
 from ..skopeo import Skopeo
 from ..umoci import Umoci
 from . import eviction
+from . import pins as _pins
 from .models import (
     Image,
     Platform,
@@ -208,17 +209,32 @@ class ImageStore:
         ``all_images``), orphaned blobs and stale work directories. Returns deleted digests."""
         return eviction.prune(self._dir, all_images=all_images)
 
-    def pin(self, digest: str, owner: str) -> None:
+    def pin(self, digest: str, owner: str, *, home: Path | None = None) -> None:
         """Keep ``digest`` from eviction and removal until ``owner`` unpins it (survives
-        restarts). Raises ImageNotFoundError if the image is gone (e.g. removed after get)."""
-        eviction.pin(self._dir, digest, owner)
+        restarts). With ``home`` the pin is a sandbox's, ``owner`` is
+        ``<pins.home_key(home)>:<sandbox id>``, and any gc on this store can tell when that
+        sandbox is gone (:mod:`.pins`). Raises ImageNotFoundError if the image is gone (e.g.
+        removed after get)."""
+        _pins.pin(self._dir, digest, owner, home)
 
     def unpin(self, digest: str, owner: str) -> None:
         """Drop ``owner``'s pin; idempotent."""
-        eviction.unpin(self._dir, digest, owner)
+        _pins.unpin(self._dir, digest, owner)
 
     def pins(self, digest: str) -> set[str]:
-        return eviction.pins(self._dir, digest)
+        return _pins.owners(self._dir, digest)
+
+    def pin_list(self) -> list[_pins.Pin]:
+        """Every pin in the store, with the home and writer a sandbox's pin names."""
+        return list(_pins.listing(self._dir))
+
+    def unpin_stale(self, present: _pins.Present, *, own_home: Path | None = None,
+                    unknown: bool = False) -> list[_pins.Pin]:
+        """Remove every pin :func:`.pins.stale` calls stale; returns them."""
+        return [p for p in _pins.listing(self._dir)
+                if _pins.stale(p, present, own_home=own_home, unknown=unknown)
+                and _pins.unpin_if_stale(self._dir, p, present, own_home=own_home,
+                                        unknown=unknown)]
 
     def usage(self) -> int:
         """Bytes used by all stored images (the number ``max_bytes`` is compared with)."""

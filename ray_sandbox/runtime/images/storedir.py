@@ -6,7 +6,7 @@ locks and work directories that let threads and processes share it. Layout under
     sha256/<hex>/             one image, published by a single rename (never half-visible)
         image.json            digest, parsed config, size
         used                  empty; its mtime is the last use (LRU eviction)
-        pins/<owner>          one empty file per pin (live sandbox); pinned images are kept
+        pins/<owner>          one file per pin (:mod:`.pins`); pinned images are kept
         oci/                  an OCI layout holding just this image (tag "image")
         rootfs/               the unpacked root filesystem, used read-only
     refs/<key>.json           reference (+ platform) -> digest
