@@ -55,7 +55,7 @@ def test_a_build_is_named_localhost_name(runtime: SandboxRuntime, image_store: I
     try:
         assert runtime.exec(sid, "cat /m").stdout.split() == [built.marker]
     finally:
-        runtime.delete(sid)
+        runtime.delete(sid, wait=True)  # unpinned now: the image is removed below
     lines: list[str] = []  # the same build again, named either way: the cache answers
     again = build_image(runtime, built.context, tag=NAME, cache_dir=built.cache,
                         progress=lines.append)
@@ -65,6 +65,22 @@ def test_a_build_is_named_localhost_name(runtime: SandboxRuntime, image_store: I
     assert build_image(runtime, built.context, tag="lab/named:v1",
                        cache_dir=built.cache).digest == built.image.digest
     assert image_store.get(NAME).digest == built.image.digest
+
+
+def test_a_later_dockerfile_builds_from_a_built_name(runtime: SandboxRuntime,
+                                                     image_store: ImageStore, built: Built,
+                                                     tmp_path: Path):
+    (tmp_path / "Dockerfile").write_text(f"FROM {NAME}\nRUN cat /m > /m2\n")
+    image = build_image(runtime, tmp_path, tag="lab/on-top", cache_dir=tmp_path / "builds")
+    try:
+        assert image.ref == "localhost/lab/on-top:latest"
+        sid = runtime.create(image=image.ref, memory="64Mi")
+        try:
+            assert runtime.exec(sid, "cat /m2").stdout.split() == [built.marker]
+        finally:
+            runtime.delete(sid, wait=True)
+    finally:
+        image_store.remove(image.digest)
 
 
 @pytest.mark.parametrize("tag", ["ghcr.io/org/app:v1", "localhost:5000/app", "ray-sandbox/x",
