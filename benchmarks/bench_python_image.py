@@ -2,7 +2,7 @@
 size (unpacked rootfs, compressed layer), build time, create → first exec (boot), and the
 interpreter's start inside.
 
-    .venv/bin/python -m benchmarks.bench_python_image [--n 20]
+    .venv/bin/python -m benchmarks.bench_python_image [--n 20 | --quick]
 
 Baseline: the image ``ray-sandbox/python`` was before (Debian bookworm with python3, bash and
 ca-certificates only; no ``python``, ``pip`` or ``venv``), built by the same builder from that
@@ -56,7 +56,9 @@ def loadavg() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--n", type=int, default=20, help="boots per image")
+    parser.add_argument("--quick", action="store_true", help="5 boots per image")
     args = parser.parse_args()
+    args.n = 5 if args.quick else args.n
     load_before = loadavg()
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="rsb-bench-pyimg-", dir="/var/tmp") as tmp:
