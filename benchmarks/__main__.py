@@ -1,7 +1,8 @@
 """One entry point for every benchmark: run some (or all), then chart every saved result.
 
-    .venv/bin/python -m benchmarks [runtime ray images network snapshot scale blocks cpu stock
-                                    memory commands service ray_floor soak] [--quick]
+    .venv/bin/python -m benchmarks [runtime ray images python_image network snapshot scale
+                                    blocks cpu stock memory commands service ray_floor soak]
+                                    [--quick]
     .venv/bin/python -m benchmarks --chart-only
 
 Each benchmark prints its table and saves ``benchmarks/out/<name>.json``; this then renders
@@ -20,6 +21,7 @@ MODULES = {
     "runtime": "benchmarks.bench_runtime",
     "ray": "benchmarks.bench_ray",
     "images": "benchmarks.bench_images",
+    "python_image": "benchmarks.bench_python_image",
     "network": "benchmarks.bench_network",
     "snapshot": "benchmarks.bench_snapshot",
     "scale": "benchmarks.bench_scale",

@@ -9,6 +9,7 @@ image the nested containers run is the offline builder's, exported as a docker-a
 from __future__ import annotations
 
 import contextlib
+import json
 import secrets
 import socket
 import subprocess
@@ -318,9 +319,9 @@ def build_cache(tmp_path, image_store) -> Iterator[Path]:
     """A private cache of built archives; the images it made leave the node's store after."""
     cache = tmp_path / "builds"
     yield cache
-    for archive in cache.glob("*/image.docker.tar"):
+    for built in cache.glob("*/built.json"):  # by digest: a rebuilt name left the old one
         with contextlib.suppress(Exception):
-            image_store.remove(f"docker-archive:{archive}")
+            image_store.remove(json.loads(built.read_text())["digest"])
 
 
 def test_dockerfile_build_lands_in_the_store_and_is_cached(runtime, docker_image, tmp_path,
@@ -379,7 +380,6 @@ def test_cli_builds_a_dockerfile(tmp_path, monkeypatch, docker_image, image_stor
     """``ray-sandbox image build -f Dockerfile CONTEXT -t NAME``: the build sandbox lives in
     a private home, the image lands in the node's store; a failing build exits 2 naming
     the step."""
-    import json
     import shutil
 
     from typer.testing import CliRunner
@@ -399,13 +399,15 @@ def test_cli_builds_a_dockerfile(tmp_path, monkeypatch, docker_image, image_stor
                               "--json"], env={"COLUMNS": "200"})
     assert res.exit_code == 0, res.output
     (built,) = json.loads(res.stdout)
-    archive = Path(built["ref"].removeprefix("docker-archive:"))
+    (entry,) = [p.parent for p in builds.glob("*/built.json")
+                if json.loads(p.read_text())["digest"] == built["digest"]]
     try:
-        assert archive.is_file() and archive.parent.parent == image_store.root.parent / "builds"
+        assert built["ref"] == "localhost/lab/cli:v1"  # the name, usable as an image
+        assert (entry / "image.docker.tar").is_file()
     finally:
         image_store.remove(built["ref"])
-        shutil.rmtree(archive.parent)
-        archive.parent.with_suffix(".lock").unlink(missing_ok=True)
+        shutil.rmtree(entry)
+        entry.with_suffix(".lock").unlink(missing_ok=True)
     dockerfile.write_text("FROM ray-sandbox/busybox:latest\nRUN exit 5\n")
     res = runner.invoke(app, ["build", "-f", str(dockerfile), str(ctx), "-t", "lab/cli:v2"],
                         env={"COLUMNS": "200"})

@@ -89,9 +89,9 @@ def forget_new_builds(image_store, before: set[Path]) -> None:
     """Remove the builds (archives, their store images, lock files) made since ``before``."""
     builds = image_store.root.parent / "builds"
     for path in (set(builds.iterdir()) - before) if builds.is_dir() else ():
-        archive = path / "image.docker.tar"
-        if archive.is_file():
-            image_store.remove(f"docker-archive:{archive}")
+        built = path / "built.json"
+        if built.is_file():
+            image_store.remove(json.loads(built.read_text())["digest"])
             shutil.rmtree(path)
         elif path.is_file():
             path.unlink(missing_ok=True)

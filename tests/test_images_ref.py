@@ -27,7 +27,8 @@ DIGEST = "sha256:" + "ab" * 32
         ("library/python:3", "docker://docker.io/library/python:3"),
         ("index.docker.io/library/python", "docker://docker.io/library/python:latest"),
         ("ghcr.io/org/team/app:v1", "docker://ghcr.io/org/team/app:v1"),
-        ("localhost/app", "docker://localhost/app:latest"),
+        ("localhost/app", "localhost/app:latest"),  # built on this node (podman's name)
+        ("docker://localhost/app", "docker://localhost/app:latest"),
         ("localhost:5000/x", "docker://localhost:5000/x:latest"),
         ("127.0.0.1:15000/lab/x:v2", "docker://127.0.0.1:15000/lab/x:v2"),
         ("[::1]:5000/x:t", "docker://[::1]:5000/x:t"),

@@ -707,8 +707,9 @@ def test_tenants_have_their_own_volumes(service: Service):
 
 def test_a_tenant_cannot_name_an_image_by_a_host_path(service: Service):
     """``oci:``, ``oci-archive:``, ``docker-archive:`` and ``dir:`` read files of the node as
-    root: another tenant's build cache or filesystem images, an operator's layouts. A tenant
-    names registry images and the node's built ones (``ray-sandbox/…``) only."""
+    root: another tenant's build cache or filesystem images, an operator's layouts; and
+    ``localhost/…`` names what was built on the node. A tenant names registry images and the
+    offline builders' ones (``ray-sandbox/…``) only."""
     from ray_sandbox.runtime import ImageStore
 
     layout = ImageStore().inspect(BUSYBOX).rootfs.parent / "oci"
@@ -716,7 +717,7 @@ def test_a_tenant_cannot_name_an_image_by_a_host_path(service: Service):
     with service.client("bob") as c:
         before = c.get("/sandboxes").json()["sandboxes"]
         for image in (f"oci:{layout}:image", f"oci-archive:{layout}/index.json",
-                      "docker-archive:/etc/passwd", f"dir:{layout}"):
+                      "docker-archive:/etc/passwd", f"dir:{layout}", "localhost/lab/task:v1"):
             msg = error(c.post("/sandboxes", json={"image": image, "memory": "64Mi"}), 400)
             assert "host" in msg, msg
         assert c.get("/sandboxes").json()["sandboxes"] == before

@@ -120,10 +120,11 @@ def pull(
 def build(
     ctx: typer.Context,
     name: Annotated[str, typer.Argument(
-        help="busybox | python | docker | ray-sandbox/<name>:tag; with -t: the build "
-             "CONTEXT directory")] = "python",
+        help="busybox | python | python:3.13 | docker | ray-sandbox/<name>:tag; with -t: "
+             "the build CONTEXT directory")] = "python",
     tag: Annotated[str | None, typer.Option(
-        "--tag", "-t", help="build a Dockerfile in a gVisor build sandbox, as this name")] = None,
+        "--tag", "-t", help="build a Dockerfile in a gVisor build sandbox; its image is "
+                            "localhost/NAME on this node")] = None,
     file: Annotated[Path | None, typer.Option(
         "--file", "-f", help="the Dockerfile (default CONTEXT/Dockerfile); needs -t")] = None,
     network: Annotated[str, typer.Option(
@@ -133,10 +134,11 @@ def build(
     force: Annotated[bool, typer.Option("--force", help="rebuild even if present")] = False,
     as_json: AsJson = False,
 ) -> None:
-    """Build one of the offline images (ray-sandbox/busybox, ray-sandbox/python,
+    """Build one of the offline images (ray-sandbox/busybox, ray-sandbox/python[:3.11|:3.13],
     ray-sandbox/docker), or with -t a Dockerfile: ``image build -f Dockerfile CONTEXT -t
     NAME`` runs every step under gVisor (docs/docker.md, "Dockerfile builds"), streams the
-    output to stderr and prints the image, whose REFERENCE is what sandboxes use."""
+    output to stderr and prints the image, whose REFERENCE (localhost/NAME) is what sandboxes
+    on this node use."""
     with _errors():
         store = _store(ctx)
         if tag is not None:
@@ -152,7 +154,7 @@ def build(
             return
         if file is not None:
             raise typer.BadParameter("-f/--file needs -t/--tag (a Dockerfile build)")
-        ref = name if "/" in name else f"{LOCAL_NAMESPACE}/{name}:latest"
+        ref = name if "/" in name else f"{LOCAL_NAMESPACE}/{name}"  # the tag: latest
         with _progress(f"building {ref}") as progress:
             image = store.build(ref, force=force, progress=progress)
         _show([image], store, as_json)

@@ -5,10 +5,13 @@ variables."""
 from __future__ import annotations
 
 import os
+import re
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..runtime.errors import ModalNotFoundError
+from ..runtime.errors import ModalInvalidError, ModalNotFoundError
+from ..runtime.image_builders import PYTHON_IMAGES
 from ._aio import static
 from ._options import DEFAULT_IMAGE, refuse
 
@@ -34,7 +37,8 @@ class App:
 
 class Image:
     """An image reference. Building images (``pip_install``, ``run_commands``, …) is not
-    supported: build it (docs/images.md) and use ``from_registry``."""
+    supported: build it from a Dockerfile (docs/docker.md, "Dockerfile builds") and use
+    ``from_registry``."""
 
     def __init__(self, ref: str) -> None:
         self.ref = ref
@@ -51,19 +55,50 @@ class Image:
 
     @static
     def debian_slim(python_version: str | None = None, force_build: bool = False) -> Image:
-        """``ray-sandbox/python`` (Debian bookworm, Python 3.11), built offline."""
-        if python_version not in (None, "3.11"):
-            raise NotImplementedError(f"Image.debian_slim(python_version={python_version!r}):"
-                                      " only 3.11 (ray-sandbox/python) is built here")
+        """``ray-sandbox/python``, built offline from Debian's packages: Python 3.11
+        (bookworm) by default, ``ray-sandbox/python:<version>`` for a ``python_version``, the
+        nearest offered one (a warning says so) within one minor version; a version further
+        off raises ``InvalidError`` naming what is offered (docs/images.md)."""
         refuse({"force_build": force_build}, "Image.debian_slim")
-        return Image(DEFAULT_IMAGE)
+        if python_version is None:
+            return Image(DEFAULT_IMAGE)
+        return Image(f"ray-sandbox/python:{_offered_python(python_version)}")
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)
         raise NotImplementedError(f"Image.{name}: image builds are not supported by "
-                                  "ray_sandbox.modal; build the image (docs/images.md) and "
-                                  "use Image.from_registry (docs/compat.md)")
+                                  "ray_sandbox.modal; build the image from a Dockerfile "
+                                  "(`ray-sandbox image build -t NAME`, docs/docker.md, "
+                                  "'Dockerfile builds') and use "
+                                  "Image.from_registry('localhost/NAME') (docs/compat.md)")
+
+
+def _minor(version: str) -> int:
+    return int(version.split(".")[1])
+
+
+def _offered_python(asked: str) -> str:
+    """The offered Python (``"3.13"``) nearest to ``asked``: exact, else within one minor
+    version (the newer on a tie, which runs what the older one runs), with a warning."""
+    offered = sorted(PYTHON_IMAGES, key=_minor)
+    listing = ", ".join(offered)
+    m = re.fullmatch(r"3\.(\d{1,2})(?:\.\d{1,3})?", asked) if isinstance(asked, str) else None
+    if m is None:
+        raise ModalInvalidError(f"Image.debian_slim(python_version={asked!r}): not a Python 3 "
+                                f"version like '3.13'; offered here: {listing}")
+    minor = int(m[1])
+    nearest = min(offered, key=lambda v: (abs(_minor(v) - minor), -_minor(v)))
+    if abs(_minor(nearest) - minor) > 1:
+        raise ModalInvalidError(f"Image.debian_slim(python_version={asked!r}): Python "
+                                f"3.{minor} is not offered here; offered: {listing} "
+                                "(ray-sandbox/python:<version>), or use Image.from_registry "
+                                "with a registry image")
+    if _minor(nearest) != minor:
+        warnings.warn(f"Image.debian_slim(python_version={asked!r}): Python {nearest} is the "
+                      f"nearest offered here (ray-sandbox/python:{nearest}); offered: {listing}",
+                      UserWarning, stacklevel=4)
+    return nearest
 
 
 class Secret:

@@ -25,8 +25,10 @@ start-dockerd.sh`` say:
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
+import json
 import os
 import re
 import shlex
@@ -40,8 +42,14 @@ from typing import Any
 from . import image_builders
 from .agent.client import AgentClient
 from .config import SandboxConfig
-from .errors import ImageBuildError, SandboxCreationError, SandboxError
-from .images import LOCAL_NAMESPACE, Image
+from .errors import (
+    ImageBuildError,
+    ImageNotFoundError,
+    ImageReferenceError,
+    SandboxCreationError,
+    SandboxError,
+)
+from .images import LOCAL_NAMESPACE, Image, built_name
 from .spec import Mount
 
 DOCKER_IMAGE = f"{LOCAL_NAMESPACE}/docker:latest"  # built offline (images/store.py)
@@ -128,7 +136,7 @@ _LOG_TAIL_KEEP = 60
 _FROM_RE = re.compile(r"^\s*FROM\s+(?:--platform=\S+\s+)?(\S+)(?:\s+AS\s+(\S+))?\s*$",
                       re.IGNORECASE)
 _STEP_RE = re.compile(r"^Step \d+/\d+ : (.*)$")
-_DOCKER_REF_RE = re.compile(r"^[a-z0-9][a-z0-9._/-]*(:[A-Za-z0-9_.-]{1,128})?$")
+_DOCKER_REF_RE = re.compile(r"^[a-z0-9][a-z0-9._/-]*(:[A-Za-z0-9_.-]{1,128})?$")  # a FROM
 
 
 def base_images(dockerfile: str) -> list[str]:
@@ -199,15 +207,17 @@ def build_image(
 ) -> Image:
     """Build ``dockerfile`` (default ``context/Dockerfile``) with Docker inside a build
     sandbox of ``runtime`` (a :class:`SandboxRuntime`) and import the result into its image
-    store; returns the stored :class:`Image` (use ``image.ref`` as a sandbox's image).
+    store as ``localhost/<tag>`` (``tag`` may say ``localhost/`` itself; any other registry
+    is refused); returns the stored :class:`Image`, whose ``ref`` is that name.
 
     Nothing of the build runs on the host: the context is copied in, the ``FROM`` images
     come from the node's image store (``docker load``), every ``RUN`` runs under gVisor with
     the build sandbox's ``network`` (``none`` by default), and the image comes out as a
-    ``docker save`` archive. Cached by :func:`context_key`: the same Dockerfile, context and
-    bases give the stored image at once; the archives are kept in ``cache_dir`` (default
-    ``builds/`` beside the store). ``progress`` gets each line of output. A failing
-    build raises :class:`ImageBuildError` with the failing ``step`` and the ``log_tail``.
+    ``docker save`` archive. Cached by :func:`context_key`: the same Dockerfile, context,
+    bases and name give the stored image at once; the archives are kept in ``cache_dir``
+    (default ``builds/`` beside the store), each with ``built.json`` (its name and digest).
+    ``progress`` gets each line of output. A failing build raises :class:`ImageBuildError`
+    with the failing ``step`` and the ``log_tail``.
     """
     context = Path(context).resolve()
     if not context.is_dir():
@@ -217,18 +227,19 @@ def build_image(
         df_bytes = df_path.read_bytes()
     except OSError as exc:
         raise ImageBuildError(f"cannot read the Dockerfile {df_path}: {exc}") from None
-    if not _DOCKER_REF_RE.match(tag):
-        raise ImageBuildError(f"tag {tag!r} is not a Docker image name (lowercase "
-                              "name[:tag])")
+    try:
+        name = str(built_name(tag))
+    except ImageReferenceError as exc:
+        raise ImageBuildError(exc.message) from None
     say = progress or (lambda _line: None)
     store = runtime.images
     bases = {ref: store.get(ref, progress=say) for ref in base_images(df_bytes.decode())}
-    key = context_key(context, df_bytes, [i.digest for i in bases.values()], tag, network)
+    key = context_key(context, df_bytes, [i.digest for i in bases.values()], name, network)
     cache = Path(cache_dir or Path(store.root).parent / "builds") / key
     archive = cache / "image.docker.tar"
     if archive.is_file():
         say(f"cached {key[:12]}")
-        return store.get(f"docker-archive:{archive}")
+        return _named(store, cache, name, say)
     cache.parent.mkdir(parents=True, exist_ok=True)
     # One build per key on the node at a time (concurrent trials of one task, several
     # processes): the others wait here and then find it cached.
@@ -236,10 +247,27 @@ def build_image(
         fcntl.flock(lock, fcntl.LOCK_EX)
         if archive.is_file():
             say(f"cached {key[:12]}")
-            return store.get(f"docker-archive:{archive}")
-        _build(runtime, context, df_bytes, bases, tag, network, memory, cpu, timeout, say,
+            return _named(store, cache, name, say)
+        _build(runtime, context, df_bytes, bases, name, network, memory, cpu, timeout, say,
                cache, archive)
-    return store.get(f"docker-archive:{archive}", progress=say)
+    return _named(store, cache, name, say)
+
+
+def _named(store: Any, cache: Path, name: str, say: Callable[[str], None]) -> Image:
+    """The build kept in ``cache`` as ``name`` in the store: its recorded digest named again
+    if the store still holds it, else imported from its archive. The archive's own
+    reference is dropped, so the store lists the build once, by its name."""
+    record = cache / "built.json"
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError, ImageNotFoundError):
+        return store.tag(json.loads(record.read_text())["digest"], name)
+    source = f"docker-archive:{cache / 'image.docker.tar'}"
+    image = store.tag(store.get(source, progress=say).digest, name)
+    with contextlib.suppress(ImageNotFoundError):  # a concurrent import dropped it already
+        store.remove(source)  # only untags: the name keeps the image
+    staged = cache / f".built.json.{os.getpid()}"
+    staged.write_text(json.dumps({"ref": image.ref, "digest": image.digest}))
+    os.replace(staged, record)
+    return image
 
 
 def _build(runtime: Any, context: Path, df_bytes: bytes, bases: dict[str, Image], tag: str,

@@ -1,17 +1,20 @@
 """Offline image builders and a node-local registry.
 
-Three images are built without any registry: ``ray-sandbox/busybox`` from the host's
-busybox-static (reproducible: the same digest on every node with the same busybox),
-``ray-sandbox/python`` (Debian bookworm + python3 + bash + ca-certificates) and
-``ray-sandbox/docker`` (the same + docker.io + docker-compose, for ``docker=True``) with
-mmdebstrap.
+These images are built without any image registry: ``ray-sandbox/busybox`` from the host's
+busybox-static (reproducible: the same digest on every node with the same busybox), and with
+mmdebstrap from Debian's package mirror ``ray-sandbox/python`` (:data:`PYTHON_IMAGES`: Python
+3.11 from bookworm, 3.13 from trixie, with ``python``, ``pip`` and ``venv``) and
+``ray-sandbox/docker`` (bookworm + docker.io + docker-compose, for ``docker=True``).
 Each builder writes a single-layer image into an OCI layout; :class:`~.images.ImageStore` imports
-that layout like any other source. :func:`export_layout` and :func:`serve_registry` put such
-layouts into other transports and a throwaway ``docker-registry`` (tests, benchmarks, seeding).
+that layout like any other source, and keeps each image's :func:`recipe` beside it, so that a
+changed builder rebuilds the image on nodes that hold an older one. :func:`export_layout` and
+:func:`serve_registry` put such layouts into other transports and a throwaway
+``docker-registry`` (tests, benchmarks, seeding).
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -25,6 +28,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -36,8 +40,18 @@ from .umoci import Umoci
 BUSYBOX = Path("/bin/busybox")
 # Fixed timestamp so the busybox image is bit-for-bit reproducible.
 REPRODUCIBLE_EPOCH = 1704067200  # 2024-01-01T00:00:00Z
-DEBIAN_SUITE = "bookworm"
+DEBIAN_SUITE = "bookworm"  # the host's, and ray-sandbox/python:latest's
 DEBIAN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# What Modal's and Ray's examples call: python (python-is-python3), pip, venv; setuptools so
+# that pip builds pure-Python sdists offline (--no-build-isolation). No compiler and no
+# headers: build-essential + python3-dev would add ~290 MB to a ~210 MB image (docs/images.md).
+PYTHON_PACKAGES = ("python3", "python-is-python3", "python3-pip", "python3-venv",
+                   "python3-setuptools", "bash", "ca-certificates")
+# PEP 668: Debian's pip refuses `pip install` outside a venv while this marker exists. The
+# image behaves like python:3.x-slim instead (which has no marker): dpkg never installs the
+# file (the exclusion stays in the image's dpkg config, so an upgrade inside does not bring it
+# back), and Debian's pip installs into /usr/local, apart from what dpkg owns.
+NO_PEP668_MARKER = "--dpkgopt=path-exclude=/usr/lib/python3*/EXTERNALLY-MANAGED"
 # runsc adds no /etc/hosts; without it "localhost" does not resolve inside the sandbox.
 ETC_HOSTS = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
 BUSYBOX_BUILD_TIMEOUT = 120.0
@@ -120,15 +134,67 @@ def write_busybox_layer(tar_path: Path, extra_files: Mapping[str, bytes] | None 
 
 
 def write_debian_layer(tar_path: Path, *, timeout: float = PYTHON_BUILD_TIMEOUT,
-                       packages: tuple[str, ...] = ("python3", "bash", "ca-certificates"),
-                       ) -> None:
-    """Write a slim Debian root filesystem with ``packages`` (default python3 + bash) as an
-    uncompressed tar."""
+                       packages: tuple[str, ...] = PYTHON_PACKAGES, suite: str = DEBIAN_SUITE,
+                       options: tuple[str, ...] = (NO_PEP668_MARKER,)) -> None:
+    """Write a slim Debian ``suite`` root filesystem with ``packages`` (default: the Python
+    image's) as an uncompressed tar; ``options`` go to mmdebstrap after the slimming ones."""
     # mmdebstrap stages the whole tree in $TMPDIR: keep it on the disk that receives the tar.
     env = {**os.environ, "TMPDIR": str(tar_path.parent), "LC_ALL": "C.UTF-8"}
-    _proc.run(["mmdebstrap", "--quiet", *_DEBIAN_SLIM, f"--include={','.join(packages)}",
-               DEBIAN_SUITE, str(tar_path)],
+    _proc.run(["mmdebstrap", "--quiet", *_DEBIAN_SLIM, *options,
+               f"--include={','.join(packages)}", suite, str(tar_path)],
               timeout=timeout, env=env, classify=_classify_mmdebstrap, what="mmdebstrap")
+
+
+# Bump when a builder's code changes what it makes in a way its inputs do not show.
+_RECIPE_VERSION = 1
+
+
+def recipe(*parts: object) -> str:
+    """A digest of what a builder makes an image from (``sha256:…``): the store rebuilds a
+    local image whose stored recipe differs, so a changed builder reaches every node."""
+    text = json.dumps([_RECIPE_VERSION, *parts], sort_keys=True, default=str)
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class DebianImage:
+    """An image mmdebstrap builds from Debian's ``suite``: its packages, options and config."""
+
+    suite: str
+    packages: tuple[str, ...]
+    cmd: tuple[str, ...]
+    options: tuple[str, ...] = ()
+    env: tuple[str, ...] = field(default=(f"PATH={DEBIAN_PATH}", "LANG=C.UTF-8"))
+
+    @property
+    def recipe(self) -> str:
+        return recipe("debian", self.suite, self.packages, self.options, self.env, self.cmd,
+                      _DEBIAN_SLIM)
+
+    def write_layout(self, layout: Path, tag: str = "latest", *,
+                     timeout: float = PYTHON_BUILD_TIMEOUT) -> None:
+        """Add the image as ``layout:tag`` (the layout is created if needed)."""
+        deadline = time.monotonic() + timeout
+        layout.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=layout.parent, prefix=".debian-") as work:
+            layer = Path(work) / "rootfs.tar"
+            write_debian_layer(layer, timeout=timeout, packages=self.packages,
+                               suite=self.suite, options=self.options)
+            _layout_from_layer(layout, tag, layer, created=_iso(time.time()),
+                               architecture=host_architecture(), env=list(self.env),
+                               cmd=list(self.cmd),
+                               timeout=max(1.0, deadline - time.monotonic()))
+
+
+# ray-sandbox/python:<version>: Debian's own python3 of each suite (the host's debian-archive-
+# keyring verifies both; mmdebstrap builds trixie on a bookworm host).
+PYTHON_IMAGES = {
+    version: DebianImage(suite, PYTHON_PACKAGES, ("/usr/bin/python3",), (NO_PEP668_MARKER,))
+    for version, suite in (("3.11", "bookworm"), ("3.13", "trixie"))
+}
+PYTHON_LATEST = "3.11"  # the host's Python, and what sandboxes had before 3.13 was offered
+DOCKER_IMAGE = DebianImage(DEBIAN_SUITE, DOCKER_PACKAGES, ("/bin/bash",))
+BUSYBOX_RECIPE = recipe("busybox", _BUSYBOX_ETC)
 
 
 def _layout_from_layer(
@@ -170,18 +236,11 @@ def write_busybox_layout(
 
 
 def write_python_layout(
-    layout: Path, tag: str = "latest", *, timeout: float = PYTHON_BUILD_TIMEOUT
+    layout: Path, tag: str = "latest", *, version: str = PYTHON_LATEST,
+    timeout: float = PYTHON_BUILD_TIMEOUT,
 ) -> None:
-    """Add the Debian bookworm + python3 image as ``layout:tag`` (20-60 s here)."""
-    deadline = time.monotonic() + timeout
-    layout.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=layout.parent, prefix=".debian-") as work:
-        layer = Path(work) / "rootfs.tar"
-        write_debian_layer(layer, timeout=timeout)
-        _layout_from_layer(layout, tag, layer, created=_iso(time.time()),
-                           architecture=host_architecture(),
-                           env=[f"PATH={DEBIAN_PATH}", "LANG=C.UTF-8"], cmd=["/usr/bin/python3"],
-                           timeout=max(1.0, deadline - time.monotonic()))
+    """Add ``ray-sandbox/python:<version>`` as ``layout:tag`` (~30-60 s here)."""
+    PYTHON_IMAGES[version].write_layout(layout, tag, timeout=timeout)
 
 
 def write_docker_layout(
@@ -190,15 +249,7 @@ def write_docker_layout(
     """Add ``ray-sandbox/docker`` as ``layout:tag``: Debian bookworm + Docker 20.10 +
     docker-compose 1.29 (~60-90 s here, ~450 MB unpacked). Its CMD is a shell; the runtime
     starts dockerd itself with ``docker=True`` (runtime/docker.py)."""
-    deadline = time.monotonic() + timeout
-    layout.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=layout.parent, prefix=".docker-") as work:
-        layer = Path(work) / "rootfs.tar"
-        write_debian_layer(layer, timeout=timeout, packages=DOCKER_PACKAGES)
-        _layout_from_layer(layout, tag, layer, created=_iso(time.time()),
-                           architecture=host_architecture(),
-                           env=[f"PATH={DEBIAN_PATH}", "LANG=C.UTF-8"], cmd=["/bin/bash"],
-                           timeout=max(1.0, deadline - time.monotonic()))
+    DOCKER_IMAGE.write_layout(layout, tag, timeout=timeout)
 
 
 def export_layout(

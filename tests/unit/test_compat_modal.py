@@ -94,8 +94,10 @@ def test_app_image_secret():
     assert asyncio.run(modal.App.lookup.aio("x")).name == "x"
     assert modal.Image.from_registry("python:3.12-slim").ref == "python:3.12-slim"
     assert modal.Image.debian_slim().ref == "ray-sandbox/python"
-    with pytest.raises(NotImplementedError, match="python_version"):
-        modal.Image.debian_slim(python_version="3.12")
+    with pytest.warns(UserWarning, match="nearest"):  # the nearest offered, 3.11 or 3.13
+        assert modal.Image.debian_slim(python_version="3.12").ref == "ray-sandbox/python:3.13"
+    with pytest.raises(modal.exception.InvalidError, match="python_version"):
+        modal.Image.debian_slim(python_version="3.8")
     with pytest.raises(NotImplementedError, match="pip_install"):
         modal.Image.debian_slim().pip_install("numpy")
     with pytest.raises(NotImplementedError, match="add_python"):

@@ -150,6 +150,7 @@ def test_public_and_listed_registries_pass():
 
 def test_host_paths_need_the_operator():
     refused({"image": "oci:/var/lib/ray_sandbox/images/x:latest"}, "image")
+    refused({"image": "localhost/lab/task:v1"}, "image")  # a Dockerfile build of the node
     run({"image": "oci:/srv/x:latest"}, TenantPolicy(host_images=True))
 
 

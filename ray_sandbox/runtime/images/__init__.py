@@ -8,16 +8,19 @@ from __future__ import annotations
 from ..errors import ImageBusyError, ImageInUseError
 from .models import Image, ImageConfig, Platform
 from .reference import (
+    BUILT_NAMESPACE,
     LOCAL_NAMESPACE,
     ImageRef,
     PullPolicy,
     Transport,
+    built_name,
     is_loopback,
     parse_reference,
 )
 from .store import ImageStore
 
 __all__ = [
+    "BUILT_NAMESPACE",
     "LOCAL_NAMESPACE",
     "Image",
     "ImageBusyError",
@@ -28,6 +31,7 @@ __all__ = [
     "Platform",
     "PullPolicy",
     "Transport",
+    "built_name",
     "is_loopback",
     "parse_reference",
 ]

@@ -1,5 +1,6 @@
 """Image references: what users write (``python:3.12-slim``, ``oci:/x:tag``,
-``ray-sandbox/python``) parsed into an :class:`ImageRef`, and sha256 digests."""
+``ray-sandbox/python``, ``localhost/task:v1``) parsed into an :class:`ImageRef`, and sha256
+digests."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from pydantic import BaseModel, ConfigDict
 from ..errors import ImageReferenceError
 
 DEFAULT_REGISTRY = "docker.io"
-LOCAL_NAMESPACE = "ray-sandbox"
+LOCAL_NAMESPACE = "ray-sandbox"  # made by this project's offline builders, on any node
+BUILT_NAMESPACE = "localhost"  # built on this node (``image build -t``), as podman names them
 
 
 class Transport(StrEnum):
@@ -23,7 +25,7 @@ class Transport(StrEnum):
     OCI_ARCHIVE = "oci-archive"
     DOCKER_ARCHIVE = "docker-archive"
     DIR = "dir"
-    LOCAL = "local"  # built on this node by image_builders
+    LOCAL = "local"  # built on this node: ray-sandbox/ (image_builders), localhost/ (builds)
 
 
 _FILE_TRANSPORTS = (Transport.OCI, Transport.OCI_ARCHIVE, Transport.DOCKER_ARCHIVE, Transport.DIR)
@@ -65,10 +67,17 @@ class ImageRef(BaseModel):
         return f"{self.transport.value}:{self.path}{inner}"
 
     @property
+    def built_here(self) -> bool:
+        """A name given on this node to an image built here (``localhost/NAME``)."""
+        return self.transport is Transport.LOCAL and bool(self.repository) and \
+            self.repository.startswith(f"{BUILT_NAMESPACE}/")
+
+    @property
     def reads_host_files(self) -> bool:
         """An image read from a path of the node (``oci:``, ``oci-archive:``,
-        ``docker-archive:``, ``dir:``): whoever names it chooses what the node reads."""
-        return self.transport in _FILE_TRANSPORTS
+        ``docker-archive:``, ``dir:``): whoever names it chooses what the node reads; and a
+        node's own build (``localhost/…``), which is the node's files under another name."""
+        return self.transport in _FILE_TRANSPORTS or self.built_here
 
     @property
     def source(self) -> str:
@@ -95,7 +104,9 @@ def parse_reference(text: str) -> ImageRef:
     """Parse ``text`` into an :class:`ImageRef` or raise :class:`ImageReferenceError`.
 
     Bare names are Docker references (``python`` -> ``docker://docker.io/library/python:latest``);
-    ``ray-sandbox/<name>[:tag]`` without a registry names a locally built image.
+    ``ray-sandbox/<name>[:tag]`` without a registry names an image of the offline builders and
+    ``localhost/<name>[:tag]`` (no port) one built on this node; with ``docker://`` both name
+    registries.
     """
     if not isinstance(text, str):
         raise ImageReferenceError(f"image reference must be a string, got {type(text).__name__}")
@@ -145,12 +156,38 @@ def _parse_docker_ref(rest: str, text: str, *, allow_local: bool) -> ImageRef:
         raise ImageReferenceError(f"{text!r}: repository names must be lowercase")
     if registry == DEFAULT_REGISTRY and "/" not in repository:
         repository = f"library/{repository}"
-    if allow_local and registry == DEFAULT_REGISTRY and name.startswith(f"{LOCAL_NAMESPACE}/"):
+    local = (registry == DEFAULT_REGISTRY and name.startswith(f"{LOCAL_NAMESPACE}/")) or \
+        registry == BUILT_NAMESPACE
+    if allow_local and local:
         if digest:
             raise ImageReferenceError(f"{text!r}: local images are addressed by tag, not digest")
         return ImageRef(transport=Transport.LOCAL, repository=name, tag=tag or "latest")
     return ImageRef(transport=Transport.DOCKER, registry=registry, repository=repository,
                     tag=tag or (None if digest else "latest"), digest=digest)
+
+
+def built_name(name: str) -> ImageRef:
+    """The node-local reference of a build named ``name`` (``image build -t NAME``):
+    ``localhost/NAME``, or ``name`` itself if it is one. A name with a registry, a transport or
+    the builders' ``ray-sandbox/`` raises :class:`ImageReferenceError`: a build is only ever
+    named on this node."""
+    text = name.strip() if isinstance(name, str) else name
+    try:
+        ref = parse_reference(text)
+        first = text.split("/", 1)[0] if "/" in text else ""  # a registry, if it has . or :
+        registry_written = text.startswith("docker://") or first == BUILT_NAMESPACE or \
+            any(c in first for c in ".:[")
+        if ref.transport is Transport.DOCKER and not registry_written:
+            ref = parse_reference(f"{BUILT_NAMESPACE}/{text}")
+    except ImageReferenceError as exc:
+        raise ImageReferenceError(f"{name!r} cannot name a build ({exc.message}); write NAME "
+                                  f"or {BUILT_NAMESPACE}/NAME, lowercase, [:tag]") from None
+    if not ref.built_here:
+        raise ImageReferenceError(
+            f"{name!r} cannot name a build: builds are named on this node only, as "
+            f"{BUILT_NAMESPACE}/NAME[:tag] (a bare NAME[:tag] becomes that); pushing to a "
+            f"registry is not supported and {LOCAL_NAMESPACE}/ is the offline builders'")
+    return ref
 
 
 class PullPolicy(StrEnum):

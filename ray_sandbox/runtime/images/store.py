@@ -1,6 +1,7 @@
 """The node-local image store: :class:`ImageStore` pulls each image once per node (skopeo),
-unpacks it once into a shared read-only rootfs keyed by manifest digest (umoci) and answers
-cached lookups without starting a process. Its files are described in :mod:`.storedir`."""
+builds the offline ones (:data:`LOCAL_IMAGES`), unpacks each once into a shared read-only
+rootfs keyed by manifest digest (umoci) and answers cached lookups without starting a process.
+Its files are described in :mod:`.storedir`."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import os
 import re
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -41,6 +44,7 @@ from .reference import (
     PullPolicy,
     Transport,
     _hex,
+    built_name,
     is_loopback,
     parse_reference,
 )
@@ -59,10 +63,28 @@ class _Resolved(NamedTuple):
 
 
 _FULL_BYTES = 1 << 20  # free space under which a failed unpack is taken for a full disk
-LOCAL_IMAGES: dict[str, Callable[..., None]] = {
-    f"{LOCAL_NAMESPACE}/busybox:latest": image_builders.write_busybox_layout,
-    f"{LOCAL_NAMESPACE}/python:latest": image_builders.write_python_layout,
-    f"{LOCAL_NAMESPACE}/docker:latest": image_builders.write_docker_layout,  # docker.py
+
+
+@dataclass(eq=False)
+class LocalImage:
+    """An image this node builds itself: ``build(layout, tag, timeout=)`` writes it, from
+    what ``recipe`` digests (:func:`.image_builders.recipe`). A stored image of another
+    recipe is rebuilt on use; tags of one recipe share one build."""
+
+    build: Callable[..., None]
+    recipe: str
+
+
+_PYTHON = {version: LocalImage(partial(image_builders.write_python_layout, version=version),
+                               image.recipe)
+           for version, image in image_builders.PYTHON_IMAGES.items()}
+LOCAL_IMAGES: dict[str, LocalImage] = {
+    f"{LOCAL_NAMESPACE}/busybox:latest": LocalImage(image_builders.write_busybox_layout,
+                                                    image_builders.BUSYBOX_RECIPE),
+    **{f"{LOCAL_NAMESPACE}/python:{version}": local for version, local in _PYTHON.items()},
+    f"{LOCAL_NAMESPACE}/python:latest": _PYTHON[image_builders.PYTHON_LATEST],
+    f"{LOCAL_NAMESPACE}/docker:latest": LocalImage(image_builders.write_docker_layout,  # docker.py
+                                                   image_builders.DOCKER_IMAGE.recipe),
 }
 
 
@@ -98,6 +120,17 @@ def _disk_usage(root: Path) -> int:
                 seen.add((st.st_dev, st.st_ino))
                 total += st.st_blocks * 512
     return total
+
+
+def _local_image(ref: ImageRef) -> LocalImage | None:
+    return LOCAL_IMAGES.get(str(ref)) if ref.transport is Transport.LOCAL else None
+
+
+def _current(ref: ImageRef, record: _RefRecord) -> bool:
+    """Whether a stored reference is still what it names: a local image built from another
+    recipe (an older builder, on a node that ran an older version) is not."""
+    local = _local_image(ref)
+    return local is None or record.source_digest == local.recipe
 
 
 def _remaining(deadline: float) -> float:
@@ -148,7 +181,8 @@ class ImageStore:
 
         A cache hit reads two small files and starts no process. With ``ALWAYS`` the reference
         is re-resolved (a moved tag pulls the new image); ``NEVER`` never fetches. Locally built
-        images (``ray-sandbox/…``) are only built when missing (rebuild with :meth:`build`).
+        images (``ray-sandbox/…``) are only built when missing or made by another recipe
+        (rebuild with :meth:`build`); ``localhost/…`` names are never fetched (:meth:`tag`).
         """
         parsed = parse_reference(ref)
         refetch = policy is PullPolicy.ALWAYS and parsed.transport is not Transport.LOCAL
@@ -170,6 +204,22 @@ class ImageStore:
         if parsed.transport is not Transport.LOCAL:
             raise ImageReferenceError(f"{ref!r} is not a local image; known: {list(LOCAL_IMAGES)}")
         return self._get(parsed, refetch=force, fetch=True, timeout=timeout, progress=progress)
+
+    def tag(self, ref_or_digest: str, name: str, *, timeout: float = 60.0) -> Image:
+        """Name a stored image ``localhost/NAME`` on this node (a bare ``NAME[:tag]`` means
+        that too; :func:`.reference.built_name`); a name that named another image moves.
+        What ``image build -t NAME`` does with its result. Raises ImageNotFoundError if the
+        image is not stored, ImageReferenceError for any other kind of name."""
+        target = built_name(name)
+        digest, _ = self._resolve_local(ref_or_digest)
+        key = self._ref_key(target)
+        deadline = time.monotonic() + timeout
+        self._dir.make_dirs()
+        with self._dir.locked(f"ref-{key}", deadline):
+            image = self._point(target, key, digest, None, deadline)
+        if image is None:
+            raise ImageNotFoundError(f"{ref_or_digest} is not in the image store")
+        return image
 
     def inspect(self, ref_or_digest: str) -> Image:
         """The stored image for a reference or ``sha256:`` digest; never fetches."""
@@ -254,7 +304,8 @@ class ImageStore:
         deadline = time.monotonic() + timeout
         with self._dir.locked(f"ref-{key}", deadline):
             # Whoever held the lock before us may have just fetched it.
-            if not refetch and (image := self._lookup(ref, key)) is not None:
+            if not refetch and (image := self._lookup(ref, key) or
+                                self._share_build(ref, key, deadline)) is not None:
                 return image
             image = self._fetch(ref, key, deadline, progress or (lambda _: None))
         eviction.evict(self._dir, self.max_bytes, keep=image.digest)
@@ -267,7 +318,38 @@ class ImageStore:
 
     def _lookup(self, ref: ImageRef, key: str) -> Image | None:
         record = self._dir.ref_record(key)
-        return None if record is None else self._dir.load(record.digest, ref=str(ref), touch=True)
+        if record is None or not _current(ref, record):
+            return None
+        return self._dir.load(record.digest, ref=str(ref), touch=True)
+
+    def _share_build(self, ref: ImageRef, key: str, deadline: float) -> Image | None:
+        """Point ``ref`` at the current build of another tag of its recipe, if one is stored
+        (``ray-sandbox/python:latest`` and ``:3.11``); the caller holds ref-<key>."""
+        local = _local_image(ref)
+        for other, entry in LOCAL_IMAGES.items():
+            if other == str(ref) or local is None or entry.recipe != local.recipe:
+                continue
+            record = self._dir.ref_record(ref_key(other, str(self.platform)))
+            if record is not None and record.source_digest == local.recipe and (
+                image := self._point(ref, key, record.digest, local.recipe, deadline)
+            ):
+                return image
+        return None
+
+    def _point(self, ref: ImageRef, key: str, digest: str, source_digest: str | None,
+               deadline: float) -> Image | None:
+        """Make ``ref`` name the stored image ``digest``; None if it is not stored. The caller
+        holds ref-<key>; the image lock keeps a removal from deleting it meanwhile."""
+        with self._dir.locked(f"img-{_hex(digest)}", deadline):
+            if not (self._dir.image(digest) / "image.json").exists():
+                return None
+            record = _RefRecord(ref=str(ref), platform=str(self.platform), digest=digest,
+                                source_digest=source_digest)
+            with self._dir.workdir(f"ref-{key}") as work:
+                staged = work / "ref.json"
+                staged.write_text(record.model_dump_json())
+                os.replace(staged, self._dir.ref_file(key))
+        return self._dir.load(digest, ref=str(ref), touch=True)
 
     def _resolve_local(self, ref_or_digest: str) -> tuple[str, ImageRef | None]:
         """(digest, parsed reference) of a stored reference; (digest, None) for a digest."""
@@ -308,8 +390,10 @@ class ImageStore:
                     raise StoreFullError(f"no space left in the image store {self.root}",
                                          argv=exc.argv, returncode=exc.returncode,
                                          stderr=exc.stderr) from exc
+                local = _local_image(ref)
+                source = resolved.source_digest if resolved else local.recipe if local else None
                 record = _RefRecord(ref=str(ref), platform=str(self.platform), digest=digest,
-                                    source_digest=resolved.source_digest if resolved else None)
+                                    source_digest=source)
                 staged = work / "ref.json"
                 staged.write_text(record.model_dump_json())
                 os.replace(staged, self._dir.ref_file(key))
@@ -329,12 +413,16 @@ class ImageStore:
     ) -> None:
         """Put ``ref`` as ``layout:image``: build a local image or copy it with skopeo."""
         if ref.transport is Transport.LOCAL:
-            builder = LOCAL_IMAGES.get(str(ref))
-            if builder is None:
+            local = _local_image(ref)
+            if local is None and ref.built_here:
+                raise ImageNotFoundError(
+                    f"{ref} is not built on this node: `ray-sandbox image build -t` names its "
+                    "image on the node that built it (docs/docker.md, 'Dockerfile builds')")
+            if local is None:
                 raise ImageNotFoundError(f"no builder for {ref}; local images: "
                                          f"{sorted(LOCAL_IMAGES)}")
             progress(f"building {ref}")
-            builder(layout, _TAG, timeout=_remaining(deadline))
+            local.build(layout, _TAG, timeout=_remaining(deadline))
             return
         source = ref.source
         if resolved is not None:
