@@ -79,7 +79,8 @@ class TenantPolicy(BaseModel):
         (), description="registries (host or host:port) a tenant may pull from although "
                         "they are loopback, private, link-local or a node of the cluster")
     host_images: bool = Field(False, description="images named by a path of the node "
-                              "(oci:, oci-archive:, docker-archive:, dir:)")
+                              "(oci:, oci-archive:, docker-archive:, dir:) or built on it "
+                              "(localhost/NAME)")
     rootless: bool | Literal["auto"] = Field("auto", description="the operator's setting")
     platform: Platform = Field("ptrace", description="the operator's setting")
     directfs: bool = Field(True, description="the operator's setting (False hardens)")
@@ -236,8 +237,8 @@ def _free(_: Ask) -> None:
 
 def _image(a: Ask) -> None:
     """registry images, ray-sandbox/ images and the tenant's own fs-image:// ones; a path
-    of the node only with host_images; a registry on a loopback, link-local, private or
-    node address only if listed in registries"""
+    of the node or a node's own build (localhost/NAME) only with host_images; a registry on
+    a loopback, link-local, private or node address only if listed in registries"""
     image = a.given.get("image")
     if not isinstance(image, str) or image.startswith(FS_IMAGE_SCHEME):
         return  # the default image, or the tenant's own filesystem image (checked by _kept)
@@ -246,8 +247,8 @@ def _image(a: Ask) -> None:
     except ImageReferenceError:
         return  # the create reports it, as for any bad reference
     if ref.reads_host_files and not a.policy.host_images:
-        raise Refused("image", f"{image!r} names files of the host; use a registry image "
-                               "or a ray-sandbox/ image")
+        raise Refused("image", f"{image!r} names files of the host (a path, or a build of "
+                               "the node); use a registry image or a ray-sandbox/ image")
     if ref.transport is Transport.DOCKER and ref.registry not in a.policy.registries:
         host = ref.host or ""
         try:
