@@ -95,7 +95,7 @@ def control(nodes: int, quick: bool, tmp: Path) -> list[dict]:
 
     import ray_sandbox as sandbox
     from ray_sandbox.actor.admission import _reserved
-    from ray_sandbox.actor.host import current_job
+    from ray_sandbox.actor.labels import current_job
     from ray_sandbox.actor.template import make_template
 
     n_blocks = 500 if quick else 2000

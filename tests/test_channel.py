@@ -15,7 +15,7 @@ import pytest
 
 import ray_sandbox as sandbox
 from ray_sandbox.actor import channel
-from ray_sandbox.runtime.errors import SandboxNotFoundError
+from ray_sandbox.runtime.errors import ConfigError, SandboxNotFoundError
 from tests.fx_hostile import wait_until
 from tests.fx_ray import host_pid
 
@@ -78,8 +78,8 @@ def test_errors_through_the_channel_keep_their_type(ray_cluster):
     with pytest.raises(SandboxNotFoundError) as err:
         other.run("true")
     assert err.value.sandbox_id == other.sandbox_id
-    with pytest.raises(TypeError):
-        other.run("true", no_such_option=1)
+    with pytest.raises(ConfigError, match="no_such_option: unknown option"):
+        other.run("true", no_such_option=1)  # checked at the caller, before anything is sent
 
 
 def test_a_caller_on_another_node_uses_ray(ray_cluster, sb):

@@ -187,11 +187,13 @@ def test_a_config_that_publishes_ports_is_never_stocked(cluster):
     create publishing it (another shape) failed 'port already in use'."""
     ray, _, _ = cluster
     ports = {"network": "sandbox", "expose_ports": [18080]}
+    plain = sandbox.create(**OPTS)
+    before = _stock(ray, plain)["target"]
     sb = sandbox.create(**OPTS, **ports)
     try:
-        assert _stock(ray, sb)["target"] == 0  # no shelf for it: nothing boots ahead
+        assert _stock(ray, sb)["target"] == before  # no shelf for it: nothing boots ahead
     finally:
-        ray.get(sb.terminate.remote(), timeout=60)
+        ray.get([sb.terminate.remote(), plain.terminate.remote()], timeout=60)
     # ...and the port is published again at once: the deleted one's teardown is finished
     # first (it ran in the background and held the port for a while)
     other = sandbox.create(**{**OPTS, "memory": "48Mi"}, **ports)

@@ -12,8 +12,8 @@ import ray
 
 from ..runtime.errors import CapacityError, SandboxCreationError, SandboxError
 from .handle import SandboxHandle
-from .host import current_job
 from .hosts import ask_hosts, call_host
+from .labels import current_job
 from .placement import reserve
 from .routing import router
 from .template import SandboxTemplate

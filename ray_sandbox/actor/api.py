@@ -17,8 +17,8 @@ from . import copies
 from .admission import admit
 from .copies import delete_filesystem_image, delete_snapshot
 from .handle import SandboxHandle
-from .host import NAME_LABEL, NAMESPACE
 from .hosts import all_hosts, ask_hosts, forget_hosts
+from .labels import NAME_LABEL, NAMESPACE
 from .placement import Placement, check_lifetime
 from .routing import router
 from .template import SandboxTemplate, make_template

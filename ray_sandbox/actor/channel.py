@@ -1,10 +1,11 @@
-"""A node-local channel from callers to their node's host: one exec without Ray's actor call.
+"""A node-local channel from callers to their node's host: a verb without Ray's actor call.
 
 A Ray actor call costs ~2 ms on its own (``benchmarks/bench_ray_floor.py``: an actor method
 that sleeps 6 ms takes 8.1 ms end to end), more than the exec it carries. A caller on the same
 node as the sandbox (a rollout worker placed beside its sandboxes, the service replica, the
 driver of a one-node cluster) can skip it: the host listens on a Unix socket in its home and
-runs the same ``SandboxHost.exec`` for whoever connects with its token.
+runs the same ``SandboxHost.call`` (any verb of the table that answers once; ``run`` uses it
+for exec) for whoever connects with its token.
 
 Ray keeps its roles. The token comes from the host through an actor call, so only processes
 that can already call the host use the channel; placement, the host's restarts and the
@@ -102,10 +103,10 @@ def _open(sock: socket.socket) -> bool:
 
 
 class ChannelServer:
-    """Listens on ``path`` and calls ``handler(op, sandbox_id, command, kwargs)`` for each
+    """Listens on ``path`` and calls ``handler(verb, sandbox_id, request)`` for each
     request from a caller that sent ``token``."""
 
-    def __init__(self, path: Path, handler: Callable[[str, str, Any, dict], Any]) -> None:
+    def __init__(self, path: Path, handler: Callable[[str, str, Any], Any]) -> None:
         self.path = path
         self.token = secrets.token_bytes(32)
         self._handler = handler
@@ -127,7 +128,7 @@ class ChannelServer:
             raise
 
     @classmethod
-    def start(cls, path: Path, handler: Callable[[str, str, Any, dict], Any]
+    def start(cls, path: Path, handler: Callable[[str, str, Any], Any]
               ) -> ChannelServer | None:
         """The server, or None where a Unix socket cannot be made (a home path too long)."""
         if len(os.fsencode(path)) > _SUN_PATH_MAX:
@@ -191,8 +192,8 @@ class ChannelServer:
 
     def _answer(self, request: bytes) -> bytes:
         try:
-            op, sandbox_id, command, kwargs = pickle.loads(request)  # noqa: S301 - token-holders only
-            result: tuple[bool, Any] = (True, self._handler(op, sandbox_id, command, kwargs))
+            verb, sandbox_id, req = pickle.loads(request)  # noqa: S301 - token-holders only
+            result: tuple[bool, Any] = (True, self._handler(verb, sandbox_id, req))
         except Exception as exc:  # noqa: BLE001 - every failure goes back to the caller
             result = (False, exc)
         try:
@@ -243,11 +244,11 @@ class _Client:
             return NotSent.BUSY
         return sock
 
-    def call(self, op: str, sandbox_id: str, command: Any, kwargs: dict) -> Any:
-        """The host's answer, or a :class:`NotSent` when the channel did not take the call
-        and nothing was sent: the caller uses the actor call."""
-        request = pickle.dumps((op, sandbox_id, command, kwargs),
-                               protocol=pickle.HIGHEST_PROTOCOL)
+    def call(self, op: str, sandbox_id: str, req: Any) -> Any:
+        """The host's answer to the verb ``op`` with its request, or a :class:`NotSent` when
+        the channel did not take the call and nothing was sent: the caller uses the actor
+        call."""
+        request = pickle.dumps((op, sandbox_id, req), protocol=pickle.HIGHEST_PROTOCOL)
         if len(request) > MAX_REQUEST:
             return NotSent.BUSY
         sock = self._connect()

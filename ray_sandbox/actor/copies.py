@@ -14,8 +14,8 @@ import ray
 
 from ..runtime.errors import ConfigError, ImageInUseError, SandboxError, SandboxNotFoundError
 from ..runtime.snapshot import Snapshot
-from .host import DETACHED_LABEL, NAME_LABEL, SUSPENDED_LABEL, current_job
 from .hosts import all_hosts, ask_hosts, call_host
+from .labels import DETACHED_LABEL, NAME_LABEL, SUSPENDED_LABEL, current_job
 from .placement import Placement, check_lifetime, copy_bundle, copy_node, remove_pg, reserve
 
 

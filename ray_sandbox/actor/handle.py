@@ -1,16 +1,19 @@
 """SandboxHandle: a serializable reference to one sandbox, called like an actor.
 
 ``sb.exec.remote("true")`` returns an ObjectRef (awaitable); ``sb.exec_stream.remote(...)``
-returns an ObjectRefGenerator. File methods that name a *local* path (``upload_file``,
-``download_file``, ``upload_dir``, ``download_dir``) read or write that path on the caller's
-node and move the bytes through Ray's object store in chunks, so sandboxes on other nodes work
-the same; they do the transfer (``transfer.py``) during ``.remote()`` and return a ref to its
-completion.
+returns an ObjectRefGenerator; ``sb.exec.options(...).remote(...)`` passes Ray's call options
+through. The sandbox's verbs (``runtime/verbs.py``: exec, files, links, status, ...) are not
+written here: each row of the table becomes a method whose request is checked at the caller
+and sent to the node's host, which dispatches it. File methods that name a *local* path
+(``upload_file``, ``download_file``, ``upload_dir``, ``download_dir``) read or write that path
+on the caller's node and move the bytes through Ray's object store in chunks, so sandboxes on
+other nodes work the same; they do the transfer (``transfer.py``) during ``.remote()`` and
+return a ref to its completion.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
@@ -19,6 +22,7 @@ import ray
 from ..runtime.errors import ConfigError
 from ..runtime.records import ray_id
 from ..runtime.results import ExecResult
+from ..runtime.verbs import VERBS, ExecRequest, Verb
 from . import channel, copies, transfer
 
 
@@ -27,13 +31,30 @@ def _id_of(sandbox: SandboxHandle | str) -> str:
 
 
 class _Method:
-    """``handle.name.remote(...)`` / ``handle.name.options(...).remote(...)``."""
+    """``handle.name.remote(...)`` / ``handle.name.options(**ray_options).remote(...)``:
+    ``call(options, *args, **kwargs)`` with Ray's call options (``num_returns``,
+    ``concurrency_group``, ...) passed through untouched where the call is a Ray call."""
 
-    def __init__(self, call: Callable[..., Any]) -> None:
+    def __init__(self, call: Callable[..., Any], options: Mapping[str, Any] | None = None,
+                 ) -> None:
         self._call = call
+        self._options = dict(options or {})
+
+    def options(self, **options: Any) -> _Method:
+        return _Method(self._call, {**self._options, **options})
 
     def remote(self, *args: Any, **kwargs: Any) -> Any:
-        return self._call(*args, **kwargs)
+        return self._call(self._options, *args, **kwargs)
+
+
+def _plain(fn: Callable[..., Any]) -> _Method:
+    """A method that is not one Ray call (a transfer, a local value): no options to pass."""
+    def call(options: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
+        if options:
+            raise ConfigError(f"this call takes no Ray options, got {sorted(options)}")
+        return fn(*args, **kwargs)
+
+    return _Method(call)
 
 
 class SandboxHandle:
@@ -68,142 +89,98 @@ class SandboxHandle:
     def get_instance_id(self) -> _Method:
         """``.remote()`` -> ObjectRef of Ray's form of the id, ``ray-sandbox-<32 hex>``
         (docs/compat.md, "Ids")."""
-        return _Method(lambda: ray.put(ray_id(self.sandbox_id)))
+        return _plain(lambda: ray.put(ray_id(self.sandbox_id)))
 
     @property
     def get_config(self) -> _Method:
         """``.remote()`` -> ObjectRef of the :class:`SandboxConfig` the sandbox runs with
         (its caller's labels only)."""
-        return _Method(lambda: self._host.config.remote(self.sandbox_id))
+        return self._host_call("config")
 
-    # --- exec ------------------------------------------------------------------------------
+    def _host_call(self, method: str, *fixed: Any) -> _Method:
+        """The host's ``method`` for this sandbox, with Ray's options passed through."""
+        return _Method(lambda o, *a, **kw: getattr(self._host, method).options(**o).remote(
+            self.sandbox_id, *fixed, *a, **kw))
 
-    @property
-    def exec(self) -> _Method:
-        """``exec.remote(command, timeout=, cwd=, env=, user=, shell=, stdin=,
-        max_output_bytes=)`` -> ObjectRef[ExecResult]."""
-        return _Method(lambda cmd, **kw: self._host.exec.remote(self.sandbox_id, cmd, **kw))
+    # --- the verbs: built from the table at the end of this module ------------------------
+
+    def _verb(self, row: Verb, options: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
+        """Check the request here, at the caller, and send it to the host's generic
+        dispatch in the verb's group of threads (Ray options of the caller win)."""
+        if row.name == "link":
+            self._same_node(args[0] if args else kwargs.get("to"))
+        args = tuple(_id_of(a) if isinstance(a, SandboxHandle) else a for a in args)
+        if isinstance(kwargs.get("to"), SandboxHandle):
+            kwargs["to"] = kwargs["to"].sandbox_id
+        request = row.request.of(args, kwargs, sandbox_id=self.sandbox_id)
+        ray_options = {"concurrency_group": row.group, **options}
+        if row.streams:
+            return self._host.stream.options(num_returns="streaming", **ray_options).remote(
+                row.name, self.sandbox_id, request)
+        return self._host.call.options(**ray_options).remote(row.name, self.sandbox_id,
+                                                             request)
 
     def run(self, command: str | list[str], **kwargs: Any) -> ExecResult:
         """``exec`` that blocks and returns the :class:`ExecResult` itself, with the same
         arguments. From a process on the sandbox's node it skips Ray's actor call (~2 ms)
         through the host's node-local channel (``channel.py``); elsewhere it is
         ``ray.get(exec.remote(...))``."""
+        request = ExecRequest.of((command,), kwargs, sandbox_id=self.sandbox_id)
         client = channel.client_for(self._host)
         if client is not None:
-            result = client.call("exec", self.sandbox_id, command, kwargs)
+            result = client.call("exec", self.sandbox_id, request)
             if not isinstance(result, channel.NotSent):
                 return result
             if result is channel.NotSent.STALE:
                 channel.forget(self._host)  # asked again next time (a restarted host)
-        return ray.get(self._host.exec.remote(self.sandbox_id, command, **kwargs))
-
-    @property
-    def exec_stream(self) -> _Method:
-        """A Ray generator of OutputChunk objects, then the ExecResult."""
-        return _Method(lambda cmd, **kw: self._host.exec_stream.options(
-            num_returns="streaming").remote(self.sandbox_id, cmd, **kw))
-
-    @property
-    def run_python(self) -> _Method:
-        """Run code in a warm, stateful interpreter (``context=`` names it)."""
-        return _Method(lambda code, **kw: self._host.run_python.remote(self.sandbox_id, code,
-                                                                       **kw))
-
-    @property
-    def spawn(self) -> _Method:
-        """Start a background process -> ObjectRef[(process key, pid)]; drive it with
-        ``process.remote(key, "read" | "read_both" | "write_stdin" | "wait" | "kill" | ...)``.
-        ``timeout=`` kills its tree in the sandbox after that many seconds."""
-        return _Method(lambda cmd, **kw: self._host.spawn.remote(self.sandbox_id, cmd, **kw))
+        return ray.get(self._host.call.options(concurrency_group="work").remote(
+            "exec", self.sandbox_id, request))
 
     @property
     def process(self) -> _Method:
-        return _Method(lambda key, op, *a, **kw: self._host.process.remote(key, op, *a, **kw))
+        """``process.remote(key, op, *args)``: drive a process ``spawn`` started, by the key
+        it returned (``op``: read, read_both, write_stdin, close_stdin, wait, kill, ...)."""
+        return _Method(lambda o, key, op, *a, **kw: self._host.process.options(**o).remote(
+            key, op, *a, **kw))
 
     @property
     def processes(self) -> _Method:
-        return _Method(lambda: self._host.processes.remote(self.sandbox_id))
+        return self._host_call("processes")
 
-    # --- status and lifecycle --------------------------------------------------------------
-
-    @property
-    def status(self) -> _Method:
-        return _Method(lambda: self._host.status.remote(self.sandbox_id))
-
-    get_status = status
-
-    @property
-    def set_egress(self) -> _Method:
-        """``set_egress.remote(EgressPolicy | dict)``: change a networked sandbox's egress
-        policy while it runs."""
-        return _Method(lambda policy: self._host.set_egress.remote(self.sandbox_id, policy))
-
-    @property
-    def link(self) -> _Method:
-        """``link.remote(other, port)`` -> ObjectRef[SandboxLink]: let this sandbox open TCP
-        connections to ``port`` of ``other`` (a handle or an id); both ``network="sandbox"``
-        on one node (create the other with ``node_id=`` this one's). Nothing else opens."""
-        return _Method(lambda other, port: self._host.link.remote(
-            self.sandbox_id, self._peer(other), port))
-
-    @property
-    def unlink(self) -> _Method:
-        """``unlink.remote(other, port)``: close a link; its open connections are cut."""
-        return _Method(lambda other, port: self._host.unlink.remote(
-            self.sandbox_id, _id_of(other), port))
-
-    @property
-    def links(self) -> _Method:
-        """``links.remote()`` -> ObjectRef[list[SandboxLink]] to peers that still exist."""
-        return _Method(lambda: self._host.links.remote(self.sandbox_id))
-
-    def _peer(self, other: SandboxHandle | str) -> str:
+    def _same_node(self, other: Any) -> None:
         if isinstance(other, SandboxHandle) and None not in (other.node_id, self.node_id) \
                 and other.node_id != self.node_id:
             raise ConfigError(f"links join sandboxes on one node: {other.sandbox_id} is on "
                               f"node {other.node_id}, this one on {self.node_id}; create it "
                               "with node_id=", sandbox_id=self.sandbox_id)
-        return _id_of(other)
+
+    # --- lifecycle, snapshots, copies, suspension ------------------------------------------
 
     @property
     def terminate(self) -> _Method:
         """Delete the sandbox and release its Ray reservation (idempotent)."""
-        return _Method(lambda: self._host.delete.remote(self.sandbox_id))
+        return self._host_call("delete")
 
     delete = terminate
-
-    # --- pause, snapshots, copies, suspension ----------------------------------------------
-
-    @property
-    def pause(self) -> _Method:
-        """Freeze every process; exec and file calls raise SandboxStateError until resume."""
-        return _Method(lambda: self._host.pause.remote(self.sandbox_id))
-
-    @property
-    def resume(self) -> _Method:
-        """Thaw a paused sandbox (a suspended one comes back with ``ray_sandbox.resume``)."""
-        return _Method(lambda: self._host.resume.remote(self.sandbox_id))
 
     @property
     def snapshot(self) -> _Method:
         """``snapshot.remote()`` -> ObjectRef[Snapshot]; the sandbox keeps running. Restore it
         with ``ray_sandbox.restore``; delete it with ``ray_sandbox.delete_snapshot``."""
-        return _Method(lambda: self._host.snapshot.remote(self.sandbox_id))
+        return self._host_call("snapshot")
 
     @property
     def snapshot_filesystem(self) -> _Method:
         """``snapshot_filesystem.remote(max_bytes=None)`` -> ObjectRef[str]: the sandbox's
         files as an image reference that ``create(image=...)`` takes on any node (fetched
         there once); processes and memory are not kept (docs/snapshots.md)."""
-        return _Method(lambda max_bytes=None: self._host.snapshot_filesystem.remote(
-            self.sandbox_id, max_bytes))
+        return self._host_call("snapshot_filesystem")
 
     @property
     def suspend(self) -> _Method:
         """Checkpoint to disk, delete the container and release the Ray reservation; status
         becomes SUSPENDED until ``ray_sandbox.resume(handle or name)``."""
-        return _Method(lambda: self._host.suspend.remote(self.sandbox_id))
+        return self._host_call("suspend")
 
     def fork(self, k: int = 1, *, placement: str = "local", timeout: float | None = None,
              lifetime: str | None = None) -> list[SandboxHandle]:
@@ -213,63 +190,43 @@ class SandboxHandle:
             self._host, self.sandbox_id, k, placement=placement, timeout=timeout,
             lifetime=lifetime)]
 
-    # --- files inside the sandbox ----------------------------------------------------------
-
-    def _file(self, op: str) -> _Method:
-        return _Method(lambda *a, **kw: self._host.file_op.remote(self.sandbox_id, op, *a, **kw))
-
-    @property
-    def read_file(self) -> _Method:
-        return self._file("read_file")
-
-    @property
-    def write_file(self) -> _Method:
-        """``write_file.remote(path, str | bytes, mode=0o644, append=False)``."""
-        return self._file("write_file")
-
-    @property
-    def stat(self) -> _Method:
-        return self._file("stat")
-
-    @property
-    def exists(self) -> _Method:
-        return self._file("exists")
-
-    @property
-    def list_dir(self) -> _Method:
-        return self._file("list_dir")
-
-    @property
-    def mkdir(self) -> _Method:
-        return self._file("mkdir")
-
-    @property
-    def remove(self) -> _Method:
-        return self._file("remove")
-
     # --- transfers between the caller's node and the sandbox -------------------------------
-
-    def _transfer(self, fn: Callable[..., Any]) -> _Method:
-        return _Method(partial(fn, self._host, self.sandbox_id))
 
     @property
     def upload_file(self) -> _Method:
         """``upload_file.remote(local_path, remote_path)``: the caller's file."""
-        return self._transfer(transfer.upload_file)
+        return _plain(partial(transfer.upload_file, self._host, self.sandbox_id))
 
     @property
     def download_file(self) -> _Method:
         """``download_file.remote(remote_path, local_path, max_bytes=1 GiB)``: written on
         the caller's node, atomically and never through a link (``hostfs.write_atomic``),
         with the file's permission bits (never setuid/setgid)."""
-        return self._transfer(transfer.download_file)
+        return _plain(partial(transfer.download_file, self._host, self.sandbox_id))
 
     @property
     def upload_dir(self) -> _Method:
         """``upload_dir.remote(local_dir, remote_dir)`` (modes, symlinks, empty dirs kept)."""
-        return self._transfer(transfer.upload_dir)
+        return _plain(partial(transfer.upload_dir, self._host, self.sandbox_id))
 
     @property
     def download_dir(self) -> _Method:
         """``download_dir.remote(remote_dir, local_dir)``; nothing lands outside local_dir."""
-        return self._transfer(transfer.download_dir)
+        return _plain(partial(transfer.download_dir, self._host, self.sandbox_id))
+
+
+def _verb_property(row: Verb) -> property:
+    def get(self: SandboxHandle) -> _Method:
+        return _Method(partial(self._verb, row))
+
+    fields = ", ".join(f"{n}=" for n in row.request.model_fields if n not in
+                       row.request.POSITIONAL)
+    get.__doc__ = (f"``{row.name}.remote({', '.join(row.request.POSITIONAL)}"
+                   f"{', ' if fields and row.request.POSITIONAL else ''}{fields})``: "
+                   f"{row.doc} (runtime/verbs.py, {row.request.__name__})")
+    return property(get)
+
+
+for _row in VERBS.values():  # one method per verb of the table
+    setattr(SandboxHandle, _row.name, _verb_property(_row))
+SandboxHandle.get_status = SandboxHandle.status  # type: ignore[attr-defined]  # Ray's name

@@ -35,11 +35,12 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from ..runtime import SandboxRuntime, archive, fs_image
+from ..runtime import SandboxRuntime, archive, fs_image, verbs
 from ..runtime.agent.client import AgentProcess
 from ..runtime.config import SandboxConfig
 from ..runtime.errors import (
     CapacityError,
+    ConfigError,
     HostRetiringError,
     ImageNotFoundError,
     SandboxCreationError,
@@ -49,18 +50,15 @@ from ..runtime.errors import (
 )
 from ..runtime.results import ExecResult, SandboxLink, SandboxState, SandboxStatus
 from ..runtime.snapshot import Snapshot, SnapshotDir
+from ..runtime.verbs import ExecRequest, LinkRequest, NoRequest, Request, SpawnRequest
 from . import metrics
 from .blocks import Block, Blocks, Shape, sweep_dead_nodes
 from .channel import ChannelServer
+from .labels import DETACHED_LABEL, HOST_PREFIX, NAME_LABEL, NAMESPACE, SUSPENDED_LABEL
 from .placement import PG_LABEL, bundle_label, pg_gone, release_reaped, remove_pg
 from .stock import Stock
 from .transfer import ImageImports, SnapshotImports, fetch, rechunk
 
-NAMESPACE = "ray_sandbox"
-HOST_PREFIX = "host-"  # a host actor's name: this, then its node's id
-NAME_LABEL = "ray-sandbox/name"
-SUSPENDED_LABEL = "ray-sandbox/suspended"  # snapshot label: id of the sandbox it suspends
-DETACHED_LABEL = "ray-sandbox/detached"  # snapshot label: the suspended sandbox was detached
 _WATCH_INTERVAL = 1.0
 _BOOT_PARALLEL = 16  # sandboxes booting at once on one host; more only queue in the kernel
 _REFILL_QUIET_S = 0.1  # the stock refills once creates paused this long (first commands run)
@@ -80,11 +78,6 @@ def _number_env(name: str, default: float) -> float:
 def _sweep_interval() -> float:
     """How often reservations are checked one by one (removed by hand, a dead node's)."""
     return _number_env("RAY_SANDBOX_PG_SWEEP_S", 60.0)
-
-
-def current_job() -> str:
-    """The calling job: its sandboxes die with it, like its placement groups."""
-    return ray.get_runtime_context().get_job_id()
 
 
 def _dead_jobs() -> set[str]:
@@ -138,11 +131,9 @@ class SandboxHost:
             return self.node_id, None, None
         return self.node_id, str(self._channel.path), self._channel.token
 
-    def _direct(self, op: str, sandbox_id: str, command: Any, kwargs: dict) -> Any:
-        """A call that came through the channel: exactly what the actor method does."""
-        if op != "exec":
-            raise ValueError(f"unknown channel operation {op!r}")
-        return self.exec(sandbox_id, command, **kwargs)
+    def _direct(self, verb: str, sandbox_id: str, request: Request) -> Any:
+        """A call that came through the channel: exactly what the actor call does."""
+        return self.call(verb, sandbox_id, request)
 
     def stock(self) -> dict[str, int]:
         """The stock's hits, misses, stocked sandboxes and target (``stock.py``)."""
@@ -400,17 +391,6 @@ class SandboxHost:
 
     # --- pause, snapshot, restore, suspend ---------------------------------------------------
 
-    def pause(self, sandbox_id: str) -> None:
-        self._rt.pause(sandbox_id)
-
-    def resume(self, sandbox_id: str) -> None:
-        if self.find_suspended(sandbox_id) is not None:
-            raise SandboxStateError(
-                "sandbox is suspended: bring it back with ray_sandbox.resume(name or handle)",
-                sandbox_id=sandbox_id,
-            )
-        self._rt.resume(sandbox_id)
-
     def snapshot(self, sandbox_id: str, labels: dict[str, str] | None = None,
                  detach: bool = False) -> Snapshot:
         """A snapshot on this node, labelled with the sandbox's Ray reservation so copies
@@ -510,62 +490,73 @@ class SandboxHost:
         return cfg.model_copy(update={"labels": {k: v for k, v in cfg.labels.items()
                                                  if not k.startswith("ray-sandbox/")}})
 
-    def set_egress(self, sandbox_id: str, policy: Any) -> None:
-        self._rt.set_egress(sandbox_id, policy)
+    # --- the verbs of the table (runtime/verbs.py), dispatched generically ------------------
 
-    def link(self, sandbox_id: str, to: str, port: int) -> SandboxLink:
-        try:
-            return self._rt.link(sandbox_id, to, port)
-        except SandboxNotFoundError as exc:
-            if exc.sandbox_id != to:
-                raise
-            raise SandboxNotFoundError(f"{exc.message} on the node of {sandbox_id} (links join "
-                                       "sandboxes on one node)", sandbox_id=to) from None
+    def call(self, verb: str, sandbox_id: str, request: Request) -> Any:
+        """Any verb of the table that answers once: the runtime's method, or this host's
+        own version of it (``_OWN``) where the host adds something."""
+        row = verbs.verb(verb)
+        if row.streams:
+            raise ConfigError(f"{verb} streams: call it through stream()")
+        own = _OWN.get(verb)
+        if own is not None:
+            return own(self, sandbox_id, row.request.of((request,)))
+        return getattr(self._rt, row.method)(sandbox_id, row.request.of((request,)))
 
-    def unlink(self, sandbox_id: str, to: str, port: int) -> None:
-        self._rt.unlink(sandbox_id, to, port)
+    def stream(self, verb: str, sandbox_id: str, request: Request) -> Iterator[Any]:
+        """A verb of the table that streams (a Ray streaming generator)."""
+        row = verbs.verb(verb)
+        if not row.streams:
+            raise ConfigError(f"{verb} does not stream: call it through call()")
+        yield from getattr(self._rt, row.method)(sandbox_id, row.request.of((request,)))
 
-    def links(self, sandbox_id: str) -> list[SandboxLink]:
-        return self._rt.links(sandbox_id)
-
-    def status(self, sandbox_id: str) -> SandboxStatus:
-        with self._lock:
-            live = sandbox_id in self._pgs
-        if not live and self.find_suspended(sandbox_id) is not None:
-            return SandboxStatus(sandbox_id=sandbox_id, state=SandboxState.SUSPENDED)
-        return self._rt.get_status(sandbox_id)
-
-    # --- exec ------------------------------------------------------------------------------
-
-    def exec(self, sandbox_id: str, command: str | list[str], **kw: Any) -> ExecResult:
+    def _exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult:
         t0 = time.perf_counter()
-        res = self._rt.exec(sandbox_id, command, **kw)
+        res = self._rt.exec(sandbox_id, request)
         metrics.observe_exec(time.perf_counter() - t0)
         return res
 
-    def exec_stream(self, sandbox_id: str, command: str | list[str], **kw: Any) -> Iterator:
-        yield from self._rt.exec_stream(sandbox_id, command, **kw)
-
-    def run_python(self, sandbox_id: str, code: str, **kw: Any) -> ExecResult:
-        return self._rt.run_python(sandbox_id, code, **kw)
-
-    def spawn(self, sandbox_id: str, command: str | list[str], **kw: Any) -> tuple[str, int]:
-        proc = self._rt.spawn(sandbox_id, command, **kw)
+    def _spawn(self, sandbox_id: str, request: SpawnRequest) -> tuple[str, int]:
+        """The process stays here; callers drive it by its key (:meth:`process`)."""
+        proc = self._rt.spawn(sandbox_id, request)
         key = f"{sandbox_id}:{proc.pid}"
         with self._lock:
             self._procs[key] = proc
         return key, proc.pid
 
+    def _status(self, sandbox_id: str, request: NoRequest) -> SandboxStatus:
+        with self._lock:
+            live = sandbox_id in self._pgs
+        if not live and self.find_suspended(sandbox_id) is not None:
+            return SandboxStatus(sandbox_id=sandbox_id, state=SandboxState.SUSPENDED)
+        return self._rt.get_status(sandbox_id, request)
+
+    def _resume(self, sandbox_id: str, request: NoRequest) -> None:
+        if self.find_suspended(sandbox_id) is not None:
+            raise SandboxStateError(
+                "sandbox is suspended: bring it back with ray_sandbox.resume(name or handle)",
+                sandbox_id=sandbox_id,
+            )
+        self._rt.resume(sandbox_id, request)
+
+    def _link(self, sandbox_id: str, request: LinkRequest) -> SandboxLink:
+        try:
+            return self._rt.link(sandbox_id, request)
+        except SandboxNotFoundError as exc:
+            if exc.sandbox_id != request.to:
+                raise
+            raise SandboxNotFoundError(f"{exc.message} on the node of {sandbox_id} (links join "
+                                       "sandboxes on one node)", sandbox_id=request.to) from None
+
     def process(self, key: str, op: str, *args: Any, **kw: Any) -> Any:
-        """Operate on a spawned process: write_stdin, close_stdin, read (stdout),
-        read_stderr, read_both (both, one call), wait, kill, resize, close."""
+        """Drive a spawned process by its key: one of ``AgentProcess.OPS``."""
         with self._lock:
             proc = self._procs.get(key)
         if proc is None:
             raise SandboxNotFoundError(f"no such process {key}")
-        if op not in ("write_stdin", "close_stdin", "read", "read_stderr", "read_both", "wait",
-                      "kill", "resize", "close"):
-            raise ValueError(f"unknown process operation {op!r}")
+        if op not in AgentProcess.OPS:
+            raise ConfigError(f"unknown process operation {op!r}; one of "
+                              f"{', '.join(AgentProcess.OPS)}")
         result = getattr(proc, op)(*args, **kw)
         if op == "close":
             with self._lock:
@@ -576,13 +567,7 @@ class SandboxHost:
         with self._lock:
             return [(k, p.pid) for k, p in self._procs.items() if k.startswith(sandbox_id)]
 
-    # --- files -----------------------------------------------------------------------------
-
-    def file_op(self, sandbox_id: str, op: str, *args: Any, **kw: Any) -> Any:
-        """read_file, write_file, stat, exists, list_dir, mkdir, remove."""
-        if op not in ("read_file", "write_file", "stat", "exists", "list_dir", "mkdir", "remove"):
-            raise ValueError(f"unknown file operation {op!r}")
-        return getattr(self._rt, op)(sandbox_id, *args, **kw)
+    # --- transfers -------------------------------------------------------------------------
 
     def write_from_refs(self, sandbox_id: str, path: str, refs: list[ray.ObjectRef],
                         mode: int) -> None:
@@ -603,15 +588,23 @@ class SandboxHost:
         yield from rechunk(self._rt.get_archive(sandbox_id, remote_dir))
 
 
+# Where this host adds to a verb (metrics, the processes it keeps, a suspended sandbox's
+# status, a clearer error), its own method answers instead of the runtime's.
+_OWN: dict[str, Callable[..., Any]] = {
+    "exec": SandboxHost._exec, "spawn": SandboxHost._spawn, "status": SandboxHost._status,
+    "resume": SandboxHost._resume, "link": SandboxHost._link,
+}
+
 # Each kind of call has threads of its own, so no kind can take them all (docs/scale.md,
 # "A host's threads"): commands and file transfers, which last as long as the sandbox's
 # code wants, run in "work"; creates and copies, which wait for boots and image pulls, in
 # "create"; everything else (status, list, delete, links, ...) keeps the default group's
 # threads: 1,088 sleeping execs in 17 sandboxes wedged every caller of the node for ~30 s
 # while all calls shared one pool of 1,024.
-WORK_METHODS = ("exec", "exec_stream", "run_python", "spawn", "process", "file_op",
-                "write_from_refs", "put_archive_from_refs", "read_stream", "archive_stream",
-                "snapshot", "snapshot_filesystem", "snapshot_stream", "fs_image_stream")
+# The table's verbs name their group at the call (``call.options(concurrency_group=...)``).
+WORK_METHODS = ("stream", "process", "write_from_refs", "put_archive_from_refs",
+                "read_stream", "archive_stream", "snapshot", "snapshot_filesystem",
+                "snapshot_stream", "fs_image_stream")
 CREATE_METHODS = ("create", "create_many", "restore", "suspend")
 for _name in WORK_METHODS:
     setattr(SandboxHost, _name, ray.method(concurrency_group="work")(getattr(SandboxHost, _name)))
@@ -621,9 +614,10 @@ for _name in CREATE_METHODS:
 
 
 @functools.cache
-def _remote_host(work: int, create: int) -> Any:
+def _remote_host(work: int, create: int, control: int) -> Any:
     # concurrency groups are declared with the class (Ray takes no groups in .options())
-    return ray.remote(concurrency_groups={"work": work, "create": create})(SandboxHost)
+    return ray.remote(concurrency_groups={"work": work, "create": create, "control": control})(
+        SandboxHost)
 
 
 def host_threads() -> tuple[int, int, int]:
@@ -637,7 +631,7 @@ def host_threads() -> tuple[int, int, int]:
 def start_host(node_id: str, home: str | None = None) -> Any:
     """The host actor of ``node_id``, started there if it does not exist yet."""
     work, create, control = host_threads()
-    return _remote_host(work, create).options(
+    return _remote_host(work, create, control).options(
         name=HOST_PREFIX + node_id,
         namespace=NAMESPACE,
         get_if_exists=True,
@@ -652,5 +646,4 @@ def start_host(node_id: str, home: str | None = None) -> Any:
     ).remote(home)
 
 
-__all__ = ["DETACHED_LABEL", "NAME_LABEL", "NAMESPACE", "SUSPENDED_LABEL", "SandboxHost",
-           "current_job", "start_host"]
+__all__ = ["SandboxHost", "start_host"]

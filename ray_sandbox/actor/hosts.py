@@ -12,7 +12,8 @@ from typing import Any
 import ray
 
 from ..runtime.errors import HostRetiringError
-from .host import HOST_PREFIX, NAMESPACE, start_host
+from .host import start_host
+from .labels import HOST_PREFIX, NAMESPACE
 from .placement import node_alive, remove_pg
 
 _CALL_ATTEMPTS = 8  # a host retiring while called: try a fresh one, ~5 s in all

@@ -17,6 +17,7 @@ import ray
 from ..runtime import SandboxRuntime, archive, fs_image, hostfs
 from ..runtime.errors import ImageNotFoundError
 from ..runtime.snapshot import Snapshot
+from ..runtime.verbs import StatRequest
 
 
 def rechunk(chunks: Iterable[bytes]) -> Iterator[bytes]:
@@ -56,7 +57,8 @@ def upload_file(host: Any, sandbox_id: str, local: str | Path, remote: str) -> r
 
 def download_file(host: Any, sandbox_id: str, remote: str, local: str | Path, *,
                   max_bytes: int | None = hostfs.DOWNLOAD_MAX) -> ray.ObjectRef:
-    info = ray.get(host.file_op.remote(sandbox_id, "stat", remote, follow_symlinks=True))
+    info = ray.get(host.call.options(concurrency_group="work").remote(
+        "stat", sandbox_id, StatRequest(path=remote, follow_symlinks=True)))
     gen = host.read_stream.options(num_returns="streaming").remote(sandbox_id, remote,
                                                                   max_bytes)
     chunks = hostfs.bounded(fetch(gen), max_bytes, remote, sandbox_id)

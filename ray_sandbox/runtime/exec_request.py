@@ -1,14 +1,13 @@
-"""What one exec asks the agent to run: the argv, environment, working directory, user and
-timeout of a command, derived from the sandbox's record and the call's arguments. Checks
-everything the agent would otherwise trip over (NUL bytes, bad names, a missing shell) so
-that bad input is a typed error before anything runs."""
+"""The argv and environment of a command, derived from the sandbox's record and the call's
+request (``verbs.CommandRequest.agent_args`` puts them together with the working directory,
+user and timeout). Checks everything the agent would otherwise trip over (NUL bytes, bad
+names, a missing shell) so that bad input is a typed error before anything runs."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from . import bundle
 from .errors import ConfigError, ExecError
@@ -54,28 +53,6 @@ def env_of(rec: SandboxRecord, env: Mapping[str, str] | None) -> list[str]:
     if tools:  # appended, never ahead: a bundle cannot shadow the image's own commands
         out = [f"{e}:{':'.join(tools)}" if e.startswith("PATH=") else e for e in out]
     return out
-
-
-def exec_args(
-    rec: SandboxRecord,
-    command: str | list[str],
-    *,
-    cwd: str | None = None,
-    env: Mapping[str, str] | None = None,
-    user: str | None = None,
-    shell: str | None = None,
-    timeout: float | None = None,
-) -> dict[str, Any]:
-    """The agent client's ``exec``/``spawn`` arguments; unset ones fall back to the
-    sandbox's config, then to the image's."""
-    cfg = rec.config
-    return {
-        "argv": argv_of(rec, command, shell),
-        "env": env_of(rec, env),
-        "cwd": cwd or cfg.get("workdir") or rec.image_workdir or "/",
-        "user": user or cfg.get("user") or rec.image_user or None,
-        "timeout": timeout if timeout is not None else cfg.get("timeout_seconds"),
-    }
 
 
 def stdin_bytes(stdin: bytes | str | None, sandbox_id: str) -> bytes | None:

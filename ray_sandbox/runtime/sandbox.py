@@ -47,7 +47,7 @@ from . import (
     reaper,
     status,
 )
-from .agent.client import READ_MAX, AgentClient, AgentProcess
+from .agent.client import AgentClient, AgentProcess
 from .agent.pyrepl import PythonContext, PythonResult
 from .config import MAX_TIMEOUT, EgressPolicy, SandboxConfig, boot_key, make_config
 from .connections import Connections
@@ -61,7 +61,7 @@ from .errors import (
     SandboxNotFoundError,
     SandboxStateError,
 )
-from .exec_request import exec_args, stdin_bytes
+from .exec_request import stdin_bytes
 from .images import Image, ImageStore
 from .launch import Launcher, all_or_nothing, as_creation_error
 from .records import Records, SandboxRecord, check_id, owner_fields
@@ -75,6 +75,22 @@ from .results import (
 )
 from .runsc import Runsc
 from .snapshot import Snapshot, SnapshotDir, SnapshotStore, copy_tree
+from .verbs import (
+    VERBS,
+    CommandRequest,
+    EgressRequest,
+    ExecRequest,
+    LinkRequest,
+    MkdirRequest,
+    NoRequest,
+    PathRequest,
+    PythonRequest,
+    ReadRequest,
+    RemoveRequest,
+    SpawnRequest,
+    StatRequest,
+    WriteRequest,
+)
 from .volumes import VolumeStore
 
 T = TypeVar("T")
@@ -108,6 +124,26 @@ def _maps_death(method: Callable[..., T]) -> Callable[..., T]:
         except SandboxDiedError as exc:
             raise self._died(sandbox_id, exc) from None
 
+    return wrapper
+
+
+def _verb(method: Callable[[Any, str, Any], T]) -> Callable[..., T]:
+    """A verb of the table (``verbs.VERBS``, named like the method): its request is given,
+    or made from positions and keywords (``exec(sid, "ls", timeout=5)``), and checked before
+    anything runs; a death during the call says why the sandbox died."""
+    row = next(v for v in VERBS.values() if v.method == method.__name__)
+
+    @functools.wraps(method)
+    def wrapper(self: SandboxRuntime, sandbox_id: str, *args: Any, **kwargs: Any) -> T:
+        request = row.request.of(args, kwargs, sandbox_id=sandbox_id)
+        if row.streams:  # a generator: it maps a death itself, as it is consumed
+            return method(self, sandbox_id, request)
+        try:
+            return method(self, sandbox_id, request)
+        except SandboxDiedError as exc:
+            raise self._died(sandbox_id, exc) from None
+
+    wrapper.verb = row  # type: ignore[attr-defined]
     return wrapper
 
 
@@ -278,7 +314,8 @@ class SandboxRuntime:
 
     terminate = delete
 
-    def pause(self, sandbox_id: str) -> None:
+    @_verb
+    def pause(self, sandbox_id: str, req: NoRequest) -> None:
         """Freeze every process of the sandbox (``runsc pause``). Until :meth:`resume`,
         exec, spawn and file calls raise :class:`SandboxStateError` instead of waiting."""
         rec = self._require_state(sandbox_id, "running")
@@ -289,7 +326,8 @@ class SandboxRuntime:
             self.records.set_phase(rec, "created")
             raise
 
-    def resume(self, sandbox_id: str) -> None:
+    @_verb
+    def resume(self, sandbox_id: str, req: NoRequest) -> None:
         """Thaw a paused sandbox; its processes go on where they stopped."""
         rec = self._require_state(sandbox_id, "paused")
         self.runsc.resume(sandbox_id)
@@ -502,7 +540,8 @@ class SandboxRuntime:
         check_id(sandbox_id)
         return procfs.oom_killed(sandbox_id)
 
-    def get_status(self, sandbox_id: str) -> SandboxStatus:
+    @_verb
+    def get_status(self, sandbox_id: str, req: NoRequest) -> SandboxStatus:
         """The sandbox's state as runsc reports it now."""
         check_id(sandbox_id)
         reason = self.records.tombstone(sandbox_id)
@@ -562,70 +601,39 @@ class SandboxRuntime:
             sandbox_id=sandbox_id,
         )
 
-    @_maps_death
-    def exec(
-        self,
-        sandbox_id: str,
-        command: str | list[str],
-        *,
-        timeout: float | None = None,
-        cwd: str | None = None,
-        env: Mapping[str, str] | None = None,
-        user: str | None = None,
-        shell: str | None = None,
-        stdin: bytes | str | None = None,
-        max_output_bytes: int | None = None,
-    ) -> ExecResult:
-        """Run a command and wait for it. A string runs through ``shell`` (default
-        ``/bin/sh -c``); a list runs as argv. A timeout kills the whole process tree inside
-        and returns the partial output with ``timed_out=True``."""
-        args = exec_args(self.records.get(sandbox_id), command, cwd=cwd, env=env, user=user,
-                         shell=shell, timeout=timeout)
-        return self._client(sandbox_id).exec(**args, stdin=stdin_bytes(stdin, sandbox_id),
-                                             max_output_bytes=max_output_bytes)
+    @_verb
+    def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
+        """Run a command and wait for it (:class:`ExecRequest`: ``exec(sid, "ls -l",
+        timeout=5)``). A string runs through ``shell`` (default ``/bin/sh -c``); a list runs
+        as argv. A timeout kills the whole process tree inside and returns the partial
+        output with ``timed_out=True``."""
+        args = req.agent_args(self.records.get(sandbox_id))
+        return self._client(sandbox_id).exec(**args, stdin=stdin_bytes(req.stdin, sandbox_id),
+                                             max_output_bytes=req.max_output_bytes)
 
-    def exec_stream(
-        self,
-        sandbox_id: str,
-        command: str | list[str],
-        *,
-        timeout: float | None = None,
-        cwd: str | None = None,
-        env: Mapping[str, str] | None = None,
-        user: str | None = None,
-        shell: str | None = None,
-        stdin: bytes | str | None = None,
-        max_output_bytes: int | None = None,
-    ) -> Iterator[OutputChunk | ExecResult]:
+    @_verb
+    def exec_stream(self, sandbox_id: str,
+                    req: ExecRequest) -> Iterator[OutputChunk | ExecResult]:
         """Like :meth:`exec`, yielding output chunks as they arrive and the result last."""
-        args = exec_args(self.records.get(sandbox_id), command, cwd=cwd, env=env, user=user,
-                         shell=shell, timeout=timeout)
-        data = stdin_bytes(stdin, sandbox_id)
+        args = req.agent_args(self.records.get(sandbox_id))
+        data = stdin_bytes(req.stdin, sandbox_id)
+        return self._stream(sandbox_id, self._client(sandbox_id).exec_stream(
+            **args, stdin=data, max_output_bytes=req.max_output_bytes))
+
+    def _stream(self, sandbox_id: str,
+                chunks: Iterator[OutputChunk | ExecResult]) -> Iterator[OutputChunk | ExecResult]:
         try:
-            yield from self._client(sandbox_id).exec_stream(**args, stdin=data,
-                                                            max_output_bytes=max_output_bytes)
+            yield from chunks
         except SandboxDiedError as exc:
             raise self._died(sandbox_id, exc) from None
 
-    def spawn(
-        self,
-        sandbox_id: str,
-        command: str | list[str],
-        *,
-        cwd: str | None = None,
-        env: Mapping[str, str] | None = None,
-        user: str | None = None,
-        shell: str | None = None,
-        pty: tuple[int, int] | None = None,
-        timeout: float | None = None,
-    ) -> AgentProcess:
-        """Start a background process; the handle writes stdin, reads output, waits, kills.
-        ``timeout`` kills its tree after that many seconds (not the sandbox's exec default:
-        a background process runs until it ends unless asked)."""
-        args = exec_args(self.records.get(sandbox_id), command, cwd=cwd, env=env, user=user,
-                         shell=shell)
-        args.pop("timeout")
-        return self._client(sandbox_id).spawn(**args, pty=pty, timeout=timeout)
+    @_verb
+    def spawn(self, sandbox_id: str, req: SpawnRequest) -> AgentProcess:
+        """Start a background process (:class:`SpawnRequest`); the handle writes stdin,
+        reads output, waits, kills. ``timeout`` kills its tree after that many seconds (not
+        the sandbox's exec default: a background process runs until it ends unless asked)."""
+        args = req.agent_args(self.records.get(sandbox_id))
+        return self._client(sandbox_id).spawn(**args, pty=req.pty)
 
     def open_pty(
         self, sandbox_id: str, command: str | list[str] = "/bin/sh", *, rows: int = 24,
@@ -636,48 +644,48 @@ class SandboxRuntime:
             command = [command]
         return self.spawn(sandbox_id, command, pty=(rows, cols), **kw)
 
-    @_maps_death
-    def run_python(
-        self, sandbox_id: str, code: str, *, timeout: float | None = None,
-        context: str = "default",
-    ) -> PythonResult:
-        """Run ``code`` in a persistent interpreter inside the sandbox (state is kept per
+    @_verb
+    def run_python(self, sandbox_id: str, req: PythonRequest) -> PythonResult:
+        """Run code in a persistent interpreter inside the sandbox (state is kept per
         ``context`` between calls, like a notebook kernel). A timeout or crash restarts the
         interpreter, resetting that context's state."""
         rec = self.records.get(sandbox_id)
         client = self._client(sandbox_id)
 
         def start() -> PythonContext:
-            args = exec_args(rec, ["python3"])
+            args = CommandRequest(command=["python3"]).agent_args(rec)
             return PythonContext(client, env=args["env"], cwd=args["cwd"], user=args["user"])
 
-        ctx = self._connections.python(sandbox_id, context, start)
-        if timeout is None:
-            timeout = rec.config.get("timeout_seconds")
-        return ctx.run(code, timeout=timeout)
+        ctx = self._connections.python(sandbox_id, req.context, start)
+        timeout = req.timeout if req.timeout is not None else rec.config.get("timeout_seconds")
+        return ctx.run(req.code, timeout=timeout)
 
-    def set_egress(self, sandbox_id: str, policy: EgressPolicy | Mapping[str, Any]) -> None:
+    @_verb
+    def set_egress(self, sandbox_id: str, req: EgressRequest) -> None:
         """Replace a ``public``/``sandbox`` network's egress policy; effective within a second
         (open connections to newly denied addresses are cut)."""
         self.records.get(sandbox_id)
-        network.set_egress(sandbox_id, self.records.sdir(sandbox_id).path, policy)
+        network.set_egress(sandbox_id, self.records.sdir(sandbox_id).path, req.policy)
 
-    def link(self, sandbox_id: str, to: str, port: int) -> SandboxLink:
+    @_verb
+    def link(self, sandbox_id: str, req: LinkRequest) -> SandboxLink:
         """Let ``sandbox_id`` open TCP connections to ``port`` of sandbox ``to`` (both
         ``network="sandbox"``, both of this runtime); nothing else of ``to`` opens."""
         self.records.get(sandbox_id)
-        self.records.get(to)
-        host, port = network.link(sandbox_id, self.records.sdir(sandbox_id).path, to,
-                                  self.records.sdir(to).path, port)
-        return SandboxLink(to=to, host=host, port=port)
+        self.records.get(req.to)
+        host, port = network.link(sandbox_id, self.records.sdir(sandbox_id).path, req.to,
+                                  self.records.sdir(req.to).path, req.port)
+        return SandboxLink(to=req.to, host=host, port=port)
 
-    def unlink(self, sandbox_id: str, to: str, port: int) -> None:
+    @_verb
+    def unlink(self, sandbox_id: str, req: LinkRequest) -> None:
         """Close a :meth:`link` (idempotent); connections it carries are cut."""
         self.records.get(sandbox_id)
-        check_id(to)  # the peer may be gone, but its id names its veth
-        network.unlink(sandbox_id, self.records.sdir(sandbox_id).path, to, port)
+        check_id(req.to)  # the peer may be gone, but its id names its veth
+        network.unlink(sandbox_id, self.records.sdir(sandbox_id).path, req.to, req.port)
 
-    def links(self, sandbox_id: str) -> list[SandboxLink]:
+    @_verb
+    def links(self, sandbox_id: str, req: NoRequest) -> list[SandboxLink]:
         """The sandbox's links to peers that still exist."""
         self.records.get(sandbox_id)
         out = []
@@ -697,20 +705,19 @@ class SandboxRuntime:
 
     # --- files -------------------------------------------------------------------------------
 
-    @_maps_death
-    def read_file(self, sandbox_id: str, path: str, *,
-                  max_bytes: int | None = READ_MAX) -> bytes:
+    @_verb
+    def read_file(self, sandbox_id: str, req: ReadRequest) -> bytes:
         """The file's bytes; over ``max_bytes`` (default 64 MiB, None for no bound) raises
         FileTooLargeError, whatever the sandbox claims its size is."""
-        return self._client(sandbox_id).read_file(path, max_bytes=max_bytes)
+        return self._client(sandbox_id).read_file(req.path, max_bytes=req.max_bytes)
 
-    def write_file(
-        self, sandbox_id: str, path: str, data: str | bytes | Iterable[bytes] | BinaryIO, *,
-        mode: int = 0o644, append: bool = False,
-    ) -> None:
-        """Write (or append to) a file; missing parent directories are created."""
-        payload = data.encode() if isinstance(data, str) else data
-        self._client(sandbox_id).write_file(path, payload, mode=mode, append=append)
+    @_verb
+    def write_file(self, sandbox_id: str, req: WriteRequest) -> None:
+        """Write (or append to) a file (``data``: str, bytes, an iterable of bytes or a
+        binary file); missing parent directories are created."""
+        payload = req.data.encode() if isinstance(req.data, str) else req.data
+        self._client(sandbox_id).write_file(req.path, payload, mode=req.mode,
+                                            append=req.append)
 
     @_maps_death
     def upload_file(self, sandbox_id: str, local_path: str | Path, remote_path: str) -> None:
@@ -732,28 +739,29 @@ class SandboxRuntime:
         """The file's bytes in chunks (bounded memory); past ``max_bytes`` FileTooLargeError."""
         return self._client(sandbox_id).iter_read(path, max_bytes=max_bytes)
 
-    @_maps_death
-    def stat(self, sandbox_id: str, path: str, *, follow_symlinks: bool = False) -> FileInfo:
-        return self._client(sandbox_id).stat(path, follow_symlinks=follow_symlinks)
+    @_verb
+    def stat(self, sandbox_id: str, req: StatRequest) -> FileInfo:
+        return self._client(sandbox_id).stat(req.path, follow_symlinks=req.follow_symlinks)
 
-    def exists(self, sandbox_id: str, path: str) -> bool:
+    @_verb
+    def exists(self, sandbox_id: str, req: PathRequest) -> bool:
         try:
-            self.stat(sandbox_id, path)
+            self._client(sandbox_id).stat(req.path, follow_symlinks=False)
             return True
         except FileNotFoundError:
             return False
 
-    @_maps_death
-    def list_dir(self, sandbox_id: str, path: str) -> list[FileInfo]:
-        return self._client(sandbox_id).list_dir(path)
+    @_verb
+    def list_dir(self, sandbox_id: str, req: PathRequest) -> list[FileInfo]:
+        return self._client(sandbox_id).list_dir(req.path)
 
-    @_maps_death
-    def mkdir(self, sandbox_id: str, path: str, *, parents: bool = True, mode: int = 0o755) -> None:
-        self._client(sandbox_id).mkdir(path, parents=parents, mode=mode)
+    @_verb
+    def mkdir(self, sandbox_id: str, req: MkdirRequest) -> None:
+        self._client(sandbox_id).mkdir(req.path, parents=req.parents, mode=req.mode)
 
-    @_maps_death
-    def remove(self, sandbox_id: str, path: str, *, recursive: bool = False) -> None:
-        self._client(sandbox_id).remove(path, recursive=recursive)
+    @_verb
+    def remove(self, sandbox_id: str, req: RemoveRequest) -> None:
+        self._client(sandbox_id).remove(req.path, recursive=req.recursive)
 
     @_maps_death
     def put_archive(self, sandbox_id: str, remote_dir: str,

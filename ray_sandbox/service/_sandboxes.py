@@ -36,6 +36,7 @@ from ..actor.placement import node_alive
 from ..runtime.config import SandboxConfig
 from ..runtime.errors import SandboxError, SandboxNotFoundError
 from ..runtime.results import ExecResult, SandboxState
+from ..runtime.verbs import NoRequest
 from . import _errors, _policy, _pty, _streams
 from ._config import ServiceConfig
 from ._kept import FS_IMAGE_PATH_RE, FS_IMAGE_SCHEME, TenantKept
@@ -273,7 +274,8 @@ class Sandboxes:
             self._nodes_seen[node_id] = time.monotonic()
         host = await self._blocking(host_for_node, node_id)
         try:
-            state = (await self.call(host.status.remote(sandbox_id))).state
+            state = (await self.call(host.call.options(concurrency_group="control").remote(
+                "status", sandbox_id, NoRequest()))).state
         except SandboxNotFoundError:
             raise gone from None
         if state == SandboxState.TERMINATED:

@@ -1,12 +1,20 @@
-"""What an exec asks the agent for, derived from the record and the call (pure: no sandbox)."""
+"""What an exec asks the agent for, derived from the record and the call's request (pure: no
+sandbox)."""
 
 from __future__ import annotations
 
 import pytest
 
 from ray_sandbox.runtime.errors import ConfigError, ExecError
-from ray_sandbox.runtime.exec_request import exec_args, stdin_bytes
+from ray_sandbox.runtime.exec_request import stdin_bytes
 from ray_sandbox.runtime.records import SandboxRecord
+from ray_sandbox.runtime.verbs import ExecRequest
+
+
+def exec_args(rec: SandboxRecord, command, **kw) -> dict:
+    """What the runtime's exec asks the agent for: the request made from the call, then
+    completed from the record."""
+    return ExecRequest.of((command,), kw, sandbox_id=rec.sandbox_id).agent_args(rec)
 
 
 @pytest.fixture

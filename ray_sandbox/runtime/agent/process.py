@@ -32,6 +32,10 @@ class AgentProcess:
     process (or losing the connection) kills its whole tree.
     """
 
+    # what a remote caller may ask of it by name (the Ray host's ``process`` call)
+    OPS = ("write_stdin", "close_stdin", "read", "read_stderr", "read_both", "wait", "kill",
+           "resize", "close")
+
     def __init__(self, conn: _Conn, pid: int, pty: bool, max_buffer_bytes: int,
                  keeps_active: bool = True) -> None:
         self.pid = pid

@@ -1,0 +1,18 @@
+"""Names the Ray layer gives things (labels on sandboxes and snapshots, the host actors'
+namespace and names) and the calling job: a leaf module, so a module that needs a name does
+not import the host actor."""
+
+from __future__ import annotations
+
+import ray
+
+NAMESPACE = "ray_sandbox"
+HOST_PREFIX = "host-"  # a host actor's name: this, then its node's id
+NAME_LABEL = "ray-sandbox/name"
+SUSPENDED_LABEL = "ray-sandbox/suspended"  # snapshot label: id of the sandbox it suspends
+DETACHED_LABEL = "ray-sandbox/detached"  # snapshot label: the suspended sandbox was detached
+
+
+def current_job() -> str:
+    """The calling job: its sandboxes die with it, like its placement groups."""
+    return ray.get_runtime_context().get_job_id()
