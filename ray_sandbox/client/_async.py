@@ -25,20 +25,17 @@ class AsyncSandbox:
     def _path(self, tail: str = "") -> str:
         return f"/sandboxes/{self.sandbox_id}{tail}"
 
-    async def exec(self, command: str | list[str], *, timeout: float | None = None,
-                   env: Mapping[str, str] | None = None, cwd: str | None = None,
-                   stdin: str | bytes | None = None) -> ExecResult:
-        body = _ops.exec_body(command, timeout, env, cwd, stdin)
+    async def exec(self, command: str | list[str], **options: Any) -> ExecResult:
+        """As the sync client's: ``options`` are ExecRequest's."""
+        body = _ops.exec_body(command, options)
         return await self._client._run(_ops.run(self.sandbox_id, body))
 
     async def exec_stream(
-        self, command: str | list[str], *, timeout: float | None = None,
-        env: Mapping[str, str] | None = None, cwd: str | None = None,
-        stdin: str | bytes | None = None,
+        self, command: str | list[str], **options: Any,
     ) -> AsyncIterator[OutputChunk | ExecResult]:
         """OutputChunks as the command writes them, then its ExecResult. Leaving the loop
         early (or closing the generator) kills the command."""
-        body = _ops.exec_body(command, timeout, env, cwd, stdin)
+        body = _ops.exec_body(command, options)
         url = self._client._base + self._path("/execs/stream")
         async with self._client._http.stream("POST", url, json=body,
                                              headers=self._client._headers,

@@ -16,6 +16,7 @@ import httpx
 
 from ..runtime import archive, errors
 from ..runtime.results import ExecResult, OutputChunk
+from ..runtime.verbs import ExecRequest
 
 POLL_SECONDS = 10.0  # one long-poll; the service caps it anyway
 
@@ -42,6 +43,7 @@ _ALIASES: dict[str, type[errors.SandboxError]] = {
     "not_found": errors.SandboxNotFoundError,
     "quota_exceeded": errors.CapacityError,
     "payload_too_large": errors.FileTooLargeError,
+    "headers_too_large": errors.ConfigError,
     "conflict": errors.SandboxStateError,
 }
 
@@ -109,18 +111,13 @@ def wait(path: str, pending: str, timeout: float, sandbox_id: str) -> Op:
                                            sandbox_id=sandbox_id)
 
 
-def exec_body(command: str | list[str], timeout: float | None, env: Mapping[str, str] | None,
-              cwd: str | None, stdin: str | bytes | None) -> dict[str, Any]:
-    body: dict[str, Any] = {"command": command}
-    if timeout is not None:
-        body["timeout_seconds"] = timeout
-    if env:
-        body["env"] = dict(env)
-    if cwd is not None:
-        body["cwd"] = cwd
-    if stdin is not None:
-        body["stdin"] = stdin.decode() if isinstance(stdin, bytes) else stdin
-    return body
+def exec_body(command: str | list[str] | ExecRequest, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON body of an exec: the runtime's ExecRequest (checked here, before anything is
+    sent), with HTTP's names (``timeout_seconds``) and text for stdin."""
+    req = ExecRequest.of((command,), options)
+    if isinstance(req.stdin, bytes):
+        req = req.model_copy(update={"stdin": req.stdin.decode()})
+    return req.model_dump(mode="json", by_alias=True, exclude_none=True)
 
 
 def run(sandbox_id: str, body: dict[str, Any]) -> Op:

@@ -25,19 +25,18 @@ class Sandbox:
     def _path(self, tail: str = "") -> str:
         return f"/sandboxes/{self.sandbox_id}{tail}"
 
-    def exec(self, command: str | list[str], *, timeout: float | None = None,
-             env: Mapping[str, str] | None = None, cwd: str | None = None,
-             stdin: str | bytes | None = None) -> ExecResult:
-        """Run a command (argv list, or a string for the shell) and wait for its result."""
-        body = _ops.exec_body(command, timeout, env, cwd, stdin)
+    def exec(self, command: str | list[str], **options: Any) -> ExecResult:
+        """Run a command (argv list, or a string for the shell) and wait for its result;
+        ``options`` are ExecRequest's (timeout, env, cwd, user, shell, stdin,
+        max_output_bytes), as for ``SandboxHandle.exec``."""
+        body = _ops.exec_body(command, options)
         return self._client._run(_ops.run(self.sandbox_id, body))
 
-    def exec_stream(self, command: str | list[str], *, timeout: float | None = None,
-                    env: Mapping[str, str] | None = None, cwd: str | None = None,
-                    stdin: str | bytes | None = None) -> Iterator[OutputChunk | ExecResult]:
+    def exec_stream(self, command: str | list[str],
+                    **options: Any) -> Iterator[OutputChunk | ExecResult]:
         """OutputChunks as the command writes them, then its ExecResult. Leaving the loop
         early (or closing the generator) kills the command."""
-        body = _ops.exec_body(command, timeout, env, cwd, stdin)
+        body = _ops.exec_body(command, options)
         url = self._client._base + self._path("/execs/stream")
         with self._client._http.stream("POST", url, json=body, headers=self._client._headers,
                                        timeout=_ops.stream_timeout(body)) as r:

@@ -309,18 +309,15 @@ class SandboxConfig(BaseModel):
             raise ValueError(f"invalid image reference {v!r}")
         return check_text(v, "the image reference")
 
-    @field_validator("env", "labels", mode="after")
+    @field_validator("labels", mode="after")
     @classmethod
-    def _text_maps(cls, v: dict[str, str], info: Any) -> dict[str, str]:
+    def _label_text(cls, v: dict[str, str]) -> dict[str, str]:
+        # names shown everywhere (listings, JSON, the service): plain Unicode only; env and
+        # paths may carry undecodable bytes as surrogates (os.fsdecode), as the OS allows
         for k, val in v.items():
-            check_text(k, f"a key of {info.field_name}")
-            check_text(val, f"{info.field_name}[{k!r}]")
+            check_text(k, "a label key")
+            check_text(val, f"label {k!r}")
         return v
-
-    @field_validator("workdir", "shell", "user", mode="before")
-    @classmethod
-    def _text(cls, v: Any, info: Any) -> Any:
-        return check_text(v, info.field_name) if isinstance(v, str) else v
 
     @field_validator("env")
     @classmethod
@@ -346,7 +343,6 @@ class SandboxConfig(BaseModel):
             return v
         if not v.startswith("/") or "\0" in v:
             raise ValueError("workdir must be an absolute path")
-        check_text(v, "a path")
         norm = os.path.normpath(v)
         system = ("/proc", "/sys", "/dev", AGENT_DIR)
         if norm == "/" or norm in system or norm.startswith(tuple(d + "/" for d in system)):

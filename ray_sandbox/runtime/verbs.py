@@ -20,7 +20,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+)
 
 from .agent.client import READ_MAX
 from .config import EgressPolicy
@@ -33,9 +40,11 @@ Group = Literal["work", "control"]
 
 class Request(BaseModel):
     """One call's options. ``POSITIONAL`` names the fields a caller may pass by position
-    after the sandbox id (``exec(sid, "ls")``)."""
+    after the sandbox id (``exec(sid, "ls")``). Text may carry undecodable bytes as
+    surrogates (``os.fsdecode``): the agent gets them back as bytes."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True,
+                              populate_by_name=True)
     POSITIONAL: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
@@ -78,8 +87,11 @@ class CommandRequest(Request):
     env: dict[str, str] | None = None
     user: str | None = Field(None, description="'name', 'uid' or 'uid:gid'")
     shell: str | None = Field(None, description="the shell a string runs through")
-    timeout: float | None = Field(None, description="seconds; the whole process tree is "
-                                  "killed at it (None: the sandbox's timeout_seconds)")
+    timeout: float | None = Field(
+        None, validation_alias=AliasChoices("timeout", "timeout_seconds"),
+        serialization_alias="timeout_seconds",
+        description="seconds; the whole process tree is killed at it (None: the sandbox's "
+                    "timeout_seconds); over HTTP it is named timeout_seconds")
 
     @field_validator("command", mode="before")
     @classmethod

@@ -37,7 +37,7 @@ from ._models import (
     Signal,
     check_path,
 )
-from ._sandboxes import Sandboxes, make_options
+from ._sandboxes import Sandboxes
 from ._state import connect
 
 PREFIX = "/api/v1"
@@ -241,7 +241,7 @@ def build_app(config: ServiceConfig, sandboxes: Sandboxes | None = None) -> Any:
 
     @app.post(f"{PREFIX}/sandboxes", status_code=202)
     async def create_sandbox(request: Request, body: CreateSandbox) -> Created:
-        entry = await sandboxes.create(tenant(request), make_options(body))
+        entry = await sandboxes.create(tenant(request), body)
         return Created(sandbox_id=entry.api_id)
 
     @app.get(f"{PREFIX}/sandboxes")
@@ -275,8 +275,7 @@ def build_app(config: ServiceConfig, sandboxes: Sandboxes | None = None) -> Any:
         """202 with the exec's id; with ``wait_seconds``, a command that ends within that
         time answers 200 with its result at once (one request instead of two)."""
         entry = await sandboxes.running(tenant(request), sandbox_id)
-        ex = await sandboxes.start_exec(entry, body.command, timeout=body.timeout_seconds,
-                                        env=body.env or None, cwd=body.cwd, stdin=body.stdin)
+        ex = await sandboxes.start_exec(entry, body)
         if wait_seconds:
             info = await sandboxes.exec_info(entry, ex.exec_id, wait_seconds)
             if info.status != "running":
@@ -294,9 +293,7 @@ def build_app(config: ServiceConfig, sandboxes: Sandboxes | None = None) -> Any:
     async def stream_exec(request: Request, sandbox_id: str, body: CreateExec) -> Response:
         """Output as NDJSON lines while the command runs (ray_sandbox/service/_streams.py)."""
         entry = await sandboxes.running(tenant(request), sandbox_id)
-        lines = await sandboxes.stream_exec(entry, body.command, timeout=body.timeout_seconds,
-                                            env=body.env or None, cwd=body.cwd,
-                                            stdin=body.stdin)
+        lines = await sandboxes.stream_exec(entry, body)
         return StreamingResponse(lines, media_type="application/x-ndjson")
 
     @app.delete(f"{PREFIX}/sandboxes/{{sandbox_id}}/execs/{{exec_id}}")

@@ -39,7 +39,8 @@ STATUS: tuple[tuple[type[e.SandboxError], int], ...] = (
 # The service's own refusals, by status: the code a client matches on.
 CODES = {400: "invalid_request", 401: "unauthorized", 404: "not_found",
          405: "method_not_allowed", 409: "conflict", 413: "payload_too_large",
-         429: "quota_exceeded", 502: "bad_gateway", 503: "unavailable", 504: "timeout"}
+         429: "quota_exceeded", 431: "headers_too_large", 502: "bad_gateway",
+         503: "unavailable", 504: "timeout"}
 
 
 def code_of(exc: e.SandboxError) -> str:

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic.json_schema import SkipJsonSchema
 
 from ..runtime.config import MAX_TIMEOUT, SandboxConfig, check_text
+from ..runtime.verbs import ExecRequest
 
 SandboxStatusName = Literal["pending", "running", "paused", "suspended", "error", "terminated"]
 ExecStatusName = Literal["running", "completed", "timed_out", "failed"]
@@ -43,10 +44,16 @@ class Body(BaseModel):
 
 
 class CreateSandbox(SandboxConfig):
-    """``POST /sandboxes``: every :class:`SandboxConfig` option, as there. A
-    ``spec_transform`` is code and cannot cross HTTP."""
+    """``POST /sandboxes``: every :class:`SandboxConfig` option, as there, held to the
+    tenant's policy (``_policy``). A ``spec_transform`` is code and cannot cross HTTP."""
 
     spec_transform: SkipJsonSchema[None] = Field(None, exclude=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        _texts(data)
+        return data
 
 
 class Created(BaseModel):
@@ -76,23 +83,27 @@ class Deleted(BaseModel):
     status: Literal["terminated"] = "terminated"
 
 
-class CreateExec(Body):
-    """``POST /sandboxes/{id}/execs``: an argv list, or a string run by the shell."""
+class CreateExec(ExecRequest):
+    """``POST /sandboxes/{id}/execs`` and ``.../execs/stream``: the runtime's
+    :class:`~ray_sandbox.runtime.verbs.ExecRequest` itself (``timeout`` is
+    ``timeout_seconds`` here, as in Ray's REST API). What HTTP asks more of it, and why:
+    text only (JSON carries no bytes, so ``stdin`` is text and a lone surrogate is refused),
+    an absolute ``cwd``, a non-empty command without NUL bytes (a 400 before anything
+    runs); the service caps ``timeout`` at ``max_exec_timeout`` and ``max_output_bytes`` at
+    its own."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    command: list[str] | str = Field(min_length=1)
-    timeout_seconds: float | None = Field(None, gt=0, le=MAX_TIMEOUT)
-    env: dict[str, str] = Field(default_factory=dict)
-    cwd: str | None = None
-    stdin: str | None = None
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        _texts(data)
+        return data
 
     @field_validator("command")
     @classmethod
-    def _command(cls, v: list[str] | str) -> list[str] | str:
+    def _command_ok(cls, v: list[str] | str) -> list[str] | str:
         items = [v] if isinstance(v, str) else v
-        if any("\0" in a for a in items):
-            raise ValueError("command contains a NUL byte")
+        if not items or any("\0" in a for a in items):
+            raise ValueError("command is empty or contains a NUL byte")
         if isinstance(v, str) and not v.strip():
             raise ValueError("command is empty")
         return v
@@ -102,6 +113,13 @@ class CreateExec(Body):
     def _cwd(cls, v: str | None) -> str | None:
         if v is not None:
             check_path(v)
+        return v
+
+    @field_validator("timeout")
+    @classmethod
+    def _timeout(cls, v: float | None) -> float | None:
+        if v is not None and not 0 < v <= MAX_TIMEOUT:
+            raise ValueError(f"timeout_seconds must be in (0, {MAX_TIMEOUT:.0f}]")
         return v
 
 

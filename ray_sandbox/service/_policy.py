@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -48,6 +48,7 @@ RESERVED_LABELS = "ray-sandbox/"  # the Ray layer's and the service's own labels
 FS_IMAGE_SCHEME = "fs-image://"  # a tenant's filesystem images (``_kept``)
 AUTO_PIDS_MAX = 4096  # the most pids_limit="auto" gives on any node (runtime/config.py)
 RESOLVE_TIMEOUT = 5.0
+T = TypeVar("T")
 
 
 class TenantPolicy(BaseModel):
@@ -223,12 +224,12 @@ class Ask:
 
     policy: TenantPolicy
     given: Mapping[str, Any]
-    config: Any  # a SandboxConfig; None only for the operator's fields, checked before it is made
+    config: SandboxConfig
     nodes: tuple[str, ...]
     resolve: Callable[[str], list[str]]
 
 
-Rule = Callable[[Ask], dict[str, Any] | None]  # raises Refused, or returns options to set
+Rule = Callable[[Ask], None]  # raises Refused if the config breaks the rule
 
 
 def _free(_: Ask) -> None:
@@ -276,29 +277,26 @@ def _limit(name: str, bound: str) -> Rule:
     return rule
 
 
-def _disk(a: Ask) -> dict[str, Any] | None:
+def _disk(a: Ask) -> None:
     """always capped: disk_default when not given, at most disk_max; 'unlimited' refused"""
-    if a.given.get("disk") is None:  # the policy's default, not the Ray layer's
-        return {"disk": a.policy.disk_default}
     disk = a.config.disk
-    if disk == UNLIMITED:
+    if disk == UNLIMITED or disk is None:
         raise Refused("disk", "'unlimited' is refused: tenants' disks are always capped")
     if isinstance(disk, int) and disk > a.policy.disk_max:
         raise Refused("disk", f"at most {a.policy.disk_max} bytes (disk_max)")
-    return None
 
 
-def _pids(a: Ask) -> dict[str, Any] | None:
+def _pids(a: Ask) -> None:
     """'auto' or 256..pids_max; null (unbounded) refused"""
     value = a.config.pids_limit
     if value is None:
         raise Refused("pids_limit", "null (unbounded) is refused: at most "
                                     f"{a.policy.pids_max} (pids_max)")
-    if value == "auto":
-        return None if a.policy.pids_max >= AUTO_PIDS_MAX else {"pids_limit": a.policy.pids_max}
-    if value > a.policy.pids_max:
+    if value != "auto" and value > a.policy.pids_max:
         raise Refused("pids_limit", f"at most {a.policy.pids_max} (pids_max)")
-    return None
+    if value == "auto" and a.policy.pids_max < AUTO_PIDS_MAX:
+        raise Refused("pids_limit", f"'auto' may give {AUTO_PIDS_MAX}: at most "
+                                    f"{a.policy.pids_max} (pids_max)")
 
 
 def _caps(a: Ask) -> None:
@@ -333,12 +331,12 @@ def _dns(a: Ask) -> None:
         raise Refused("dns", f"{', '.join(bad)} not allowed (the tenant policy's dns)")
 
 
-def _egress(a: Ask) -> dict[str, Any] | None:
+def _egress(a: Ask) -> None:
     """allow_cidrs must be public (or within egress_cidrs); domain answers open no private
     address (unless private_domains); every node of the cluster is denied"""
-    if a.config.network not in ("public", "sandbox"):
-        return None
-    eg = a.config.egress or EgressPolicy()
+    eg = a.config.egress
+    if eg is None:
+        return
     for cidr in eg.allow_cidrs:
         net = ipaddress.ip_network(cidr)
         inside = any(net.version == o.version and net.subnet_of(o)  # type: ignore[arg-type]
@@ -347,11 +345,6 @@ def _egress(a: Ask) -> dict[str, Any] | None:
             raise Refused("egress", f"allow_cidrs {cidr} reaches loopback, private, "
                                     "link-local or cluster addresses (the operator may list "
                                     "ranges in the tenant policy's egress_cidrs)")
-    nodes = [f"{n}/{32 if ipaddress.ip_address(n).version == 4 else 128}" for n in a.nodes]
-    return {"egress": eg.model_copy(update={
-        "deny_cidrs": tuple(dict.fromkeys((*eg.deny_cidrs, *nodes))),
-        "private_domains": eg.private_domains and a.policy.private_domains,
-    }).model_dump(mode="json")}
 
 
 def _ports(a: Ask) -> None:
@@ -360,16 +353,11 @@ def _ports(a: Ask) -> None:
         raise Refused("expose_ports", f"at most {a.policy.max_ports} ports (max_ports)")
 
 
-def _ttl(a: Ask) -> dict[str, Any] | None:
+def _ttl(a: Ask) -> None:
     """at most max_ttl_seconds, its default when given"""
     most, ttl = a.policy.max_ttl_seconds, a.config.ttl_seconds
-    if most is None:
-        return None
-    if ttl is None:
-        return {"ttl_seconds": most}
-    if ttl > most:
+    if most is not None and (ttl is None or ttl > most):
         raise Refused("ttl_seconds", f"at most {most:g} seconds (max_ttl_seconds)")
-    return None
 
 
 def _labels(a: Ask) -> None:
@@ -379,11 +367,9 @@ def _labels(a: Ask) -> None:
 
 
 def _operator(name: str) -> Rule:
-    def rule(a: Ask) -> dict[str, Any] | None:
-        wanted = getattr(a.policy, name)
-        if name in a.given and a.given[name] != wanted:
-            raise Refused(name, f"the operator's to set (here {wanted!r})")
-        return {name: wanted}
+    def rule(a: Ask) -> None:
+        if getattr(a.config, name) != getattr(a.policy, name):
+            raise Refused(name, f"the operator's to set (here {getattr(a.policy, name)!r})")
 
     rule.__doc__ = "the operator's: the policy's value, whatever the tenant sends"
     return rule
@@ -397,8 +383,10 @@ def _workdir(_: Ask) -> None:
     """any path the runtime accepts; with a read-only root it is on the capped disk"""
 
 
-def _never(_: Ask) -> None:
+def _never(a: Ask) -> None:
     """code; it cannot cross to a tenant"""
+    if a.config.spec_transform is not None:
+        raise Refused("spec_transform", "code cannot cross to a tenant")
 
 
 RULES: dict[str, Rule] = {
@@ -410,8 +398,6 @@ RULES: dict[str, Rule] = {
     "platform": _operator("platform"), "directfs": _operator("directfs"), "docker": _docker,
     "labels": _labels, "spec_transform": _never,
 }  # fmt: skip
-
-
 OPERATOR_FIELDS = ("rootless", "platform", "directfs")
 
 
@@ -420,30 +406,51 @@ def describe() -> dict[str, str]:
     return {name: " ".join((rule.__doc__ or "").split()) for name, rule in RULES.items()}
 
 
-def admit(policy: TenantPolicy, given: Mapping[str, Any],
-          make: Callable[[dict[str, Any]], SandboxConfig], nodes: tuple[str, ...],
-          resolver: Callable[[str], list[str]] = resolve) -> dict[str, Any]:
-    """The options a tenant's create runs with: ``given`` (what it set) held to ``policy``
-    and completed by it. ``make`` turns options into the config that would run (the Ray
-    layer's defaults applied). Raises a 400 naming the field and the rule."""
+def fill(policy: TenantPolicy, given: Mapping[str, Any],
+         nodes: tuple[str, ...]) -> dict[str, Any]:
+    """What the policy decides where the tenant left it to it: the operator's settings, the
+    disk cap, pids and TTL bounds, every node of the cluster denied in a networked sandbox's
+    egress (from what the tenant gave alone, so the config is made and checked once)."""
+    out: dict[str, Any] = {}
+    for name in OPERATOR_FIELDS:
+        wanted = getattr(policy, name)
+        if name in given and given[name] != wanted:
+            raise Refused(name, f"the operator's to set (here {wanted!r})")
+        out[name] = wanted
+    if given.get("disk") is None:  # the policy's default, not the Ray layer's
+        out["disk"] = policy.disk_default
+    if given.get("pids_limit", "auto") == "auto" and policy.pids_max < AUTO_PIDS_MAX:
+        out["pids_limit"] = policy.pids_max
+    if policy.max_ttl_seconds is not None and given.get("ttl_seconds") is None:
+        out["ttl_seconds"] = policy.max_ttl_seconds
+    if given.get("network") in ("public", "sandbox"):
+        try:
+            eg = EgressPolicy.model_validate(given.get("egress") or {})
+        except ValidationError as exc:
+            raise ConfigError(f"invalid sandbox config: egress: {exc.errors()[0]['msg']}") \
+                from None
+        denied = [f"{n}/{32 if ipaddress.ip_address(n).version == 4 else 128}" for n in nodes]
+        out["egress"] = eg.model_copy(update={
+            "deny_cidrs": tuple(dict.fromkeys((*eg.deny_cidrs, *denied))),
+            "private_domains": eg.private_domains and policy.private_domains,
+        })
+    return out
+
+
+def admit(policy: TenantPolicy, given: Mapping[str, Any], make: Callable[[dict[str, Any]], T],
+          nodes: tuple[str, ...], resolver: Callable[[str], list[str]] = resolve) -> T:
+    """What a tenant's create runs: ``given`` (what it set) completed by ``policy`` and made
+    by ``make`` (the Ray layer's template, or a bare config: one validation), then held to
+    every rule. Raises a 400 naming the field and the rule (or the config's own error)."""
     unknown = sorted(set(given) - set(RULES))
     if unknown:
         raise _errors.refusal(400, f"{', '.join(unknown)}: no tenant policy covers this "
                                    "option, so tenants may not set it")
-    options = dict(given)
     try:
-        for name in OPERATOR_FIELDS:  # first: they decide whether the rest is valid at all
-            options.update(RULES[name](Ask(policy, given, None, nodes, resolver)) or {})
-        config = make(options)
-        for _ in range(2):  # what a rule sets (a disk cap, the operator's settings) is checked
-            ask = Ask(policy, given, config, nodes, resolver)
-            settled = {}
-            for rule in RULES.values():
-                settled.update(rule(ask) or {})
-            if all(options.get(k) == v for k, v in settled.items()):
-                break
-            options.update(settled)
-            config = make(options)
+        made = make({**given, **fill(policy, given, nodes)})
+        ask = Ask(policy, given, getattr(made, "config", made), nodes, resolver)
+        for rule in RULES.values():
+            rule(ask)
     except ConfigError as exc:
         raise _errors.refusal(400, exc.message) from None
-    return options
+    return made

@@ -36,7 +36,7 @@ from ..actor.placement import node_alive
 from ..runtime.config import SandboxConfig
 from ..runtime.errors import SandboxError, SandboxNotFoundError
 from ..runtime.results import ExecResult, SandboxState
-from ..runtime.verbs import NoRequest
+from ..runtime.verbs import ExecRequest, NoRequest
 from . import _errors, _policy, _pty, _streams
 from ._config import ServiceConfig
 from ._kept import FS_IMAGE_PATH_RE, FS_IMAGE_SCHEME, TenantKept
@@ -284,47 +284,44 @@ class Sandboxes:
 
     # --- create, status, list, delete ------------------------------------------------------
 
-    async def create(self, tenant: str, given: dict[str, Any]) -> Entry:
-        """Start a create of the options the tenant gave (held to its policy) and return its
+    async def create(self, tenant: str, body: SandboxConfig) -> Entry:
+        """Start a create of what the tenant asked (held to its policy) and return its
         entry (status pending) without waiting for it."""
         await self._adopt()
         self._check_pending(tenant)
-        options = await self._blocking(self._under_policy, tenant, given)
-        labels = options.get("labels") or {}
-        image, shown = options.get("image"), None
-        if isinstance(image, str) and image.startswith(FS_IMAGE_SCHEME):
-            shown = image
-            options = {**options, "image": await self.kept.fs_image_ref(tenant, image)}
-        if options.get("volumes"):  # the tenant's own, by the names it gave them
-            options = {**options,
-                       "volumes": await self.volumes.mounts(tenant, options["volumes"])}
-        # the Ray layer's defaults (a writable root capped by a disk) apply, as for create()
-        config = actor.make_template(**options).config
+        # only what the tenant set: the Ray layer's defaults and its policy fill the rest
+        given = body.model_dump(exclude_unset=True, exclude={"spec_transform"})
+        if given.get("volumes"):  # the tenant's own, by the names it gave them
+            given["volumes"] = await self.volumes.mounts(tenant, given["volumes"])
+        template = await self._blocking(self._under_policy, tenant, given)
+        config, shown = template.config, None
+        if config.image.startswith(FS_IMAGE_SCHEME):
+            shown = config.image
+            config = config.model_copy(
+                update={"image": await self.kept.fs_image_ref(tenant, config.image)})
         cost = charge(config)
         api_id = secrets.token_hex(16)
-        entry = Entry(api_id, tenant, cost, shown or config.image, dict(labels), time.time(),
-                      ports=config.expose_ports)
+        entry = Entry(api_id, tenant, cost, shown or config.image, dict(config.labels),
+                      time.time(), ports=config.expose_ports)
         await self._admit(tenant, [api_id], cost, {
             "image": entry.image, "labels": entry.labels, "cpu": cost.cpu,
             "memory": cost.memory, "created_at": entry.created_at})
         self._entries[api_id] = entry
-        ray_labels = {**labels, TENANT_LABEL: tenant, CPU_LABEL: repr(cost.cpu),
-                      MEMORY_LABEL: str(cost.memory),
-                      PORTS_LABEL: ",".join(map(str, config.expose_ports)),
-                      **({IMAGE_LABEL: shown} if shown else {})}
-        entry.creating = asyncio.ensure_future(self._create(entry, {**options,
-                                                                     "labels": ray_labels}))
+        labels = {**config.labels, TENANT_LABEL: tenant, CPU_LABEL: repr(cost.cpu),
+                  MEMORY_LABEL: str(cost.memory),
+                  PORTS_LABEL: ",".join(map(str, config.expose_ports)),
+                  **({IMAGE_LABEL: shown} if shown else {})}
+        config = config.model_copy(update={"labels": labels})  # ours: valid by making
+        entry.creating = asyncio.ensure_future(
+            self._create(entry, template.model_copy(update={"config": config})))
         return entry
 
-    def _under_policy(self, tenant: str, given: dict[str, Any]) -> dict[str, Any]:
-        """``given`` held to the tenant's policy (``_policy``); blocking (names resolved,
-        the cluster's nodes asked of Ray at most every 30 s)."""
-        def config_of(options: dict[str, Any]) -> SandboxConfig:
-            # what would run, without volume lookups (the tenant's names are mapped later)
-            return actor.make_template(**{k: v for k, v in options.items()
-                                          if k != "volumes"}).config
-
-        return _policy.admit(self._config.policy(tenant), given, config_of,
+    def _under_policy(self, tenant: str, given: dict[str, Any]) -> actor.SandboxTemplate:
+        """What the tenant asked, held to its policy and made once, with the Ray layer's
+        defaults (``_policy``); blocking (names resolved, the cluster's nodes asked of Ray
+        at most every 30 s)."""
+        return _policy.admit(self._config.policy(tenant), given,
+                             lambda options: actor.make_template(**options),
                              self._nodes.known())
 
     def _check_pending(self, tenant: str) -> None:
@@ -354,11 +351,11 @@ class Sandboxes:
         if reason is not None:
             raise _errors.refusal(429, reason)
 
-    async def _create(self, entry: Entry, options: dict[str, Any]) -> None:
+    async def _create(self, entry: Entry, template: actor.SandboxTemplate) -> None:
         error, handle = None, None
         try:
             handle = await anyio.to_thread.run_sync(
-                self._create_blocking, entry.api_id, options, limiter=self._create_threads)
+                self._create_blocking, entry.api_id, template, limiter=self._create_threads)
         except SandboxError as exc:
             error = f"{_errors.code_of(exc)}: {exc.message}"
         except Exception as exc:  # a host or Ray failure: the entry must not stay pending
@@ -383,10 +380,10 @@ class Sandboxes:
             except Exception as exc:  # nobody awaits this task: say it, the TTL or gc ends it
                 log.warning("ending %s, deleted while being made, failed: %s", entry.api_id, exc)
 
-    def _create_blocking(self, api_id: str, options: dict[str, Any]) -> Any:
+    def _create_blocking(self, api_id: str, template: actor.SandboxTemplate) -> Any:
         # Detached: the service, not the job that happened to start its replica, owns it.
-        return actor.create(name=api_id, lifetime="detached",
-                            timeout=self._config.create_timeout, **options)
+        return actor.create(name=api_id, lifetime="detached", template=template,
+                            timeout=self._config.create_timeout)
 
     async def info(self, entry: Entry, wait: float = 0.0) -> SandboxInfo:
         """Its status, waiting up to ``wait`` seconds for a pending create to finish."""
@@ -531,7 +528,15 @@ class Sandboxes:
 
     # --- execs -----------------------------------------------------------------------------
 
-    async def start_exec(self, entry: Entry, command: list[str] | str, **kw: Any) -> Exec:
+    def _capped(self, request: ExecRequest) -> ExecRequest:
+        """The request within the service's bounds (its exec timeout, its output kept)."""
+        cap = self._config.max_exec_timeout
+        return request.model_copy(update={
+            "timeout": min(request.timeout or cap, cap),
+            "max_output_bytes": min(request.max_output_bytes or self._config.max_output_bytes,
+                                    self._config.max_output_bytes)})
+
+    async def start_exec(self, entry: Entry, request: ExecRequest) -> Exec:
         """Start a command; its result is kept among the sandbox's last
         ``max_execs_per_sandbox`` in the books (the oldest finished one is evicted, never a
         running one), where every replica finds it; this replica keeps it until then."""
@@ -541,21 +546,19 @@ class Sandboxes:
                 raise _errors.refusal(429, f"{len(entry.execs)} execs are running in this "
                                            "sandbox, its limit; wait for one to finish")
             del entry.execs[done]
-        timeout = min(kw.pop("timeout", None) or self._config.max_exec_timeout,
-                      self._config.max_exec_timeout)
-        kw.update(timeout=timeout, max_output_bytes=self._config.max_output_bytes)
+        request = self._capped(request)
         exec_id = secrets.token_hex(8)
         reason = await self._state("exec_started", entry.tenant, entry.api_id, exec_id,
-                                   timeout)
+                                   request.timeout)
         if reason is not None:
             raise _errors.refusal(429, reason)
         if self._direct < self._config.direct_exec_threads:
             self._direct += 1  # here, not in the task: a task cancelled unstarted never runs
             future: asyncio.Future[ExecResult] = asyncio.ensure_future(
-                self._run_direct(entry.handle, command, kw))
+                self._run_direct(entry.handle, request))
             future.add_done_callback(self._direct_done)
         else:  # every thread busy: no waiting for one, the actor call costs ~2 ms more
-            future = asyncio.wrap_future(entry.handle.exec.remote(command, **kw).future())
+            future = asyncio.wrap_future(entry.handle.exec.remote(request).future())
         ex = Exec(exec_id, future)
         ex.future.add_done_callback(_consume)
         ex.future.add_done_callback(partial(self._finished, entry, ex))
@@ -574,14 +577,13 @@ class Sandboxes:
 
         ex.reported.add_done_callback(forget)
 
-    async def _run_direct(self, handle: Any, command: list[str] | str,
-                          kw: dict[str, Any]) -> ExecResult:
+    async def _run_direct(self, handle: Any, request: ExecRequest) -> ExecResult:
         """``handle.run`` in a thread: the node-local channel when the sandbox is on this
         replica's node (``actor/channel.py``), else the actor call, blocking. Not abandoned
         when cancelled (a DELETE cancels and does not wait): the thread and its count are
         given back only when the command ends (its timeout, or the sandbox's deletion), so
         their number stays bounded."""
-        return await anyio.to_thread.run_sync(partial(handle.run, command, **kw),
+        return await anyio.to_thread.run_sync(partial(handle.run, request),
                                               limiter=self._direct_threads)
 
     def _direct_done(self, _: asyncio.Future[ExecResult]) -> None:
@@ -623,13 +625,14 @@ class Sandboxes:
         finally:
             self._streaming -= 1
 
-    async def stream_exec(self, entry: Entry, command: list[str] | str, *,
-                          timeout: float | None, **kw: Any) -> AsyncIterator[bytes]:
+    async def stream_exec(self, entry: Entry,
+                          request: ExecRequest) -> AsyncIterator[bytes]:
         """Start a streamed exec; returns its NDJSON lines (``_streams``). Its process key
         goes to the books, so a signal or cancel landing on another replica reaches it."""
         self._take_stream()
+        request = self._capped(request)
         try:
-            stream = await _streams.start(entry.handle, self.call, command, **kw)
+            stream = await _streams.start(entry.handle, self.call, request)
         except BaseException:
             self._streaming -= 1
             raise
@@ -644,8 +647,7 @@ class Sandboxes:
             self._streaming -= 1
             raise
         entry.streams[stream.exec_id] = stream
-        limit = min(timeout or self._config.max_exec_timeout, self._config.max_exec_timeout)
-        return self._stream_lines(entry, stream, limit)
+        return self._stream_lines(entry, stream, request.timeout)
 
     async def _stream_lines(self, entry: Entry, stream: _streams.Stream,
                             limit: float) -> AsyncIterator[bytes]:
@@ -712,8 +714,3 @@ def exec_info(ex: Exec) -> ExecInfo:
     return ExecInfo(exec_id=ex.exec_id, status="timed_out" if res.timed_out else "completed",
                     exit_code=res.exit_code, stdout=res.stdout, stderr=res.stderr,
                     truncated=res.truncated, duration_seconds=res.duration_seconds)
-
-
-def make_options(body: SandboxConfig) -> dict[str, Any]:
-    """The options a caller set (only those: the Ray layer's defaults fill the rest)."""
-    return body.model_dump(exclude_unset=True, exclude={"spec_transform"})

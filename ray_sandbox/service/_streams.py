@@ -24,6 +24,7 @@ import anyio
 
 from ..runtime.errors import SandboxError, SandboxStateError
 from ..runtime.results import ExecResult
+from ..runtime.verbs import CommandRequest, ExecRequest, SpawnRequest
 from . import _errors
 
 READ_WAIT = 0.5  # one read waits this long on the host for output before we check the exit
@@ -42,13 +43,18 @@ class Stream:
 Call = Callable[[Any], Awaitable[Any]]
 
 
-async def start(handle: Any, call: Call, command: list[str] | str, *, cwd: str | None,
-                env: dict[str, str] | None, stdin: str | None) -> Stream:
-    key, _pid = await call(handle.spawn.remote(command, cwd=cwd, env=env))
+async def start(handle: Any, call: Call, request: ExecRequest) -> Stream:
+    """Spawn the request's command (its stdin written, then closed); the caller's loop
+    (``lines``) bounds it by the request's timeout."""
+    spawn = SpawnRequest(**request.model_dump(include=set(CommandRequest.model_fields),
+                                              exclude={"timeout"}))
+    key, _pid = await call(handle.spawn.remote(spawn))
     stream = Stream(secrets.token_hex(8), key, handle)
+    stdin = request.stdin
     try:
         if stdin:
-            await call(handle.process.remote(key, "write_stdin", stdin.encode()))
+            data = stdin.encode() if isinstance(stdin, str) else stdin
+            await call(handle.process.remote(key, "write_stdin", data))
         await call(handle.process.remote(key, "close_stdin"))
     except SandboxStateError:
         pass  # it exited before reading its input; its output and exit are still kept

@@ -55,10 +55,11 @@ def test_base_urls_end_in_the_api_prefix():
 
 
 def test_an_exec_posts_then_long_polls_until_done():
-    op = _ops.run("sid", _ops.exec_body(["echo", "x"], 5, {"A": "b"}, "/tmp", b"in"))
+    op = _ops.run("sid", _ops.exec_body(["echo", "x"], {"timeout": 5, "env": {"A": "b"},
+                                                        "cwd": "/tmp", "stdin": b"in"}))
     post = next(op)
     assert (post.method, post.path) == ("POST", "/sandboxes/sid/execs")
-    assert post.json == {"command": ["echo", "x"], "timeout_seconds": 5, "env": {"A": "b"},
+    assert post.json == {"command": ["echo", "x"], "timeout_seconds": 5.0, "env": {"A": "b"},
                          "cwd": "/tmp", "stdin": "in"}
     poll = op.send(httpx.Response(202, json={"exec_id": "e1"}))
     assert poll.path == "/sandboxes/sid/execs/e1" and poll.params["wait_seconds"] > 0
