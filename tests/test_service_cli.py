@@ -3,10 +3,12 @@ until SIGINT, then removes its Serve app; the sandboxes it made outlive it (deta
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -47,6 +49,19 @@ def test_serve_runs_the_api_until_interrupted(ray_cluster, tmp_path):
         c = SandboxClient(url, TOKEN)
         sb = c.create(image="ray-sandbox/busybox", cpu=0.25, memory="64Mi")
         assert sb.exec("echo via-cli").stdout == "via-cli\n"
+        # the CLI's sandbox commands over --url list this tenant's sandboxes
+        remote = [CLI, "--url", url, "--token", TOKEN]
+        env = {**os.environ, "COLUMNS": "200"}
+        table = subprocess.run([*remote, "ps"], env=env, capture_output=True, text=True,
+                               timeout=120)
+        assert table.returncode == 0, table.stderr
+        assert sb.sandbox_id[:12] in table.stdout and "running" in table.stdout
+        listed = subprocess.run([*remote, "ps", "--json"], env=env, capture_output=True,
+                                text=True, timeout=120)
+        assert listed.returncode == 0, listed.stderr
+        (row,) = json.loads(listed.stdout)
+        assert (row["sandbox_id"], row["state"]) == (sb.sandbox_id, "running")
+        assert datetime.fromisoformat(row["created_at"]).tzinfo is not None
         with pytest.raises(ray_sandbox.CapacityError):  # --quota applies
             for _ in range(2):
                 c.create(image="ray-sandbox/busybox", cpu=0.25, memory="64Mi")

@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from ..runtime import SandboxConfig, SandboxRuntime
 from ..runtime.errors import ConfigError, SandboxError
@@ -155,8 +156,9 @@ def ps(as_json: bool = typer.Option(False, "--json")) -> None:
     table = Table("ID", "STATE", "IMAGE", "NETWORK", "CREATED", "OWNER")
     for r in rows:
         state = r["state"] + (f" ({r['reason']})" if r["reason"] else "")
-        table.add_row(r["sandbox_id"][:12], state, r["image"], r["network"] or "",
-                      r["created_at"] or "", str(r["owner_pid"] or "detached"))
+        cells = (r["sandbox_id"][:12], state, r["image"], r["network"], r["created_at"],
+                 r["owner_pid"] or "detached")
+        table.add_row(*(Text("" if v is None else str(v)) for v in cells))  # never markup
     Console().print(table)
 
 
