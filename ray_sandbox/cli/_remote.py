@@ -68,7 +68,8 @@ def ps(c: SandboxClient) -> list[dict[str, Any]]:
     try:
         return [{"sandbox_id": st["sandbox_id"], "state": st["status"],
                  "reason": st.get("reason"), "image": st.get("image"), "network": None,
-                 "created_at": _iso(st.get("created_at")), "owner_pid": None}
+                 "created_at": _iso(st.get("created_at")), "owner_pid": None,
+                 "stock": False}
                 for st in c.statuses()]
     finally:
         c.close()
