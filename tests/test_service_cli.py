@@ -21,10 +21,23 @@ CLI = str(Path(sys.executable).parent / "ray-sandbox")
 TOKEN = "cli-token-0123456789"
 
 
-def test_serve_refuses_to_start_without_a_token():
+def test_serve_refuses_to_start_without_a_token(tmp_path):
+    """One line naming the three ways to give tokens, not pydantic's report."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SANDBOX_API_")}
+    env["COLUMNS"] = "80"
     out = subprocess.run([CLI, "serve"], env=env, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "no API token" in out.stderr
+    assert out.returncode == 2
+    (line,) = out.stderr.splitlines()
+    assert line.startswith("error: no API token")
+    for way in ("RAY_SANDBOX_API_TOKEN=", "RAY_SANDBOX_API_TOKENS=", "--tokens-file"):
+        assert way in line
+    # a config the service refuses is one line too, in its own words
+    short = tmp_path / "tokens"
+    short.write_text("ops=short\n")
+    out = subprocess.run([CLI, "serve", "--tokens-file", str(short)], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.splitlines() == ["error: tokens: tokens must be at least 8 characters"]
 
 
 def test_serve_runs_the_api_until_interrupted(ray_cluster, tmp_path):
@@ -67,6 +80,8 @@ def test_serve_runs_the_api_until_interrupted(ray_cluster, tmp_path):
                 c.create(image="ray-sandbox/busybox", cpu=0.25, memory="64Mi")
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=120) == 0
+        # it said how a Ray script (the Modal facade) joins its cluster
+        assert f'ray.init(address="{address}")' in proc.stderr.read()
         with pytest.raises(httpx.TransportError):
             httpx.get(f"{url}/api/v1/health", timeout=5)
         # the service's sandboxes are detached: still there until deleted

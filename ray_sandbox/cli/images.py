@@ -134,8 +134,8 @@ def build(
     as_json: AsJson = False,
 ) -> None:
     """Build one of the offline images (ray-sandbox/busybox, ray-sandbox/python,
-    ray-sandbox/docker), or with -t a Dockerfile: ``image build -f Dockerfile CONTEXT -t
-    NAME`` runs every step under gVisor (docs/docker.md, "Dockerfile builds"), streams the
+    ray-sandbox/docker), or with -t a Dockerfile: image build -f Dockerfile CONTEXT -t
+    NAME runs every step under gVisor (docs/docker.md, "Dockerfile builds"), streams the
     output to stderr and prints the image, whose REFERENCE is what sandboxes use."""
     with _errors():
         store = _store(ctx)

@@ -224,7 +224,8 @@ def gc(as_json: bool = typer.Option(False, "--json")) -> None:
 
 @app.command()
 def cp(src: str, dst: str) -> None:
-    """Copy files or directories between host and sandbox: ``ID:/path`` names a sandbox path."""
+    """Copy files or directories between host and sandbox: ID:/path names a path in sandbox
+    ID (one side only), e.g. ray-sandbox cp ./src ID:/work."""
 
     def split(s: str) -> tuple[str | None, str]:
         head, sep, tail = s.partition(":")
