@@ -19,6 +19,7 @@ from ..errors import (
     ImageNotFoundError,
     ImageReferenceError,
     PlatformNotFoundError,
+    RegistryUnreachableError,
     StoreFullError,
 )
 from ..skopeo import Skopeo
@@ -63,6 +64,10 @@ LOCAL_IMAGES: dict[str, Callable[..., None]] = {
     f"{LOCAL_NAMESPACE}/python:latest": image_builders.write_python_layout,
     f"{LOCAL_NAMESPACE}/docker:latest": image_builders.write_docker_layout,  # docker.py
 }
+_UNREACHABLE_HINT = (
+    "Without a registry this node reaches, use an image built here: "
+    + ", ".join(r.removesuffix(":latest") for r in LOCAL_IMAGES)
+    + " (ray-sandbox image build NAME), or one already stored (ray-sandbox image ls)")
 
 
 def _nearly_full(path: Path) -> bool:
@@ -240,7 +245,12 @@ class ImageStore:
             # Whoever held the lock before us may have just fetched it.
             if not refetch and (image := self._lookup(ref, key)) is not None:
                 return image
-            image = self._fetch(ref, key, deadline, progress or (lambda _: None))
+            try:
+                image = self._fetch(ref, key, deadline, progress or (lambda _: None))
+            except RegistryUnreachableError as exc:
+                raise RegistryUnreachableError(
+                    f"{exc.message}. {_UNREACHABLE_HINT}", argv=exc.argv,
+                    returncode=exc.returncode, stderr=exc.stderr) from None
         eviction.evict(self._dir, self.max_bytes, keep=image.digest)
         return image
 
