@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -67,3 +68,28 @@ def test_a_bad_option_fails_naming_it(cli, args: list[str], message: str) -> Non
         code, out, err = cli(command, *BUSYBOX, *args, *extra)
         assert (code, out) == (2, ""), err
         assert message in err
+
+
+def _commands(cmd: Any, path: list[str]) -> Iterator[list[str]]:
+    yield path
+    for name, sub in (getattr(cmd, "commands", None) or {}).items():
+        yield from _commands(sub, [*path, name])
+
+
+def test_every_help_reads_whole_at_80_columns() -> None:
+    """Docstrings are rendered as they are (no RST ``literals``), and no help text is cut
+    with an ellipsis on an 80-column terminal."""
+    import typer
+    from typer.testing import CliRunner
+
+    from ray_sandbox.cli import app
+
+    runner = CliRunner()
+    paths = list(_commands(typer.main.get_command(app), []))
+    assert ["serve"] in paths and ["image", "build"] in paths
+    for path in paths:
+        res = runner.invoke(app, [*path, "--help"], env={"COLUMNS": "80"}, terminal_width=80)
+        assert res.exit_code == 0, res.output
+        bad = [ln for ln in res.output.splitlines()
+               if "``" in ln or "\u2026" in ln or len(ln) > 80]
+        assert bad == [], (path, bad)

@@ -1,5 +1,6 @@
 """The examples run as users run them (their own ``ray.init``, a private sandbox home) and do
-what they say. The rollout and autoscaling demos have their own tests."""
+what they say, and so does the README's first snippet. The rollout and autoscaling demos have
+their own tests."""
 
 from __future__ import annotations
 
@@ -17,14 +18,17 @@ from ray_sandbox.runtime.paths import images
 from tests.fx_runtime import leftovers
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+README = EXAMPLES.parent / "README.md"
 
 
-def _run(tmp_path: Path, script: str, *args: str) -> str:
+def _run(tmp_path: Path, script: str | Path, *args: str, cwd: Path | None = None,
+         env: dict[str, str] | None = None) -> str:
     home = tmp_path / "home"
-    env = {**os.environ, "RAY_SANDBOX_HOME": str(home), "RAY_SANDBOX_IMAGES": str(images())}
+    env = {**os.environ, "RAY_SANDBOX_HOME": str(home), "RAY_SANDBOX_IMAGES": str(images()),
+           **(env or {})}
     try:
         proc = subprocess.run([sys.executable, str(EXAMPLES / script), *args], env=env,
-                              capture_output=True, text=True, timeout=240)
+                              cwd=cwd, capture_output=True, text=True, timeout=240)
         assert proc.returncode == 0, proc.stderr[-3000:]
     finally:
         SandboxRuntime(home, images=ImageStore(images()))  # reap what a failed run left
@@ -66,3 +70,23 @@ def test_rollout_demo_main_job(tmp_path, default_image):
     assert rows["wrong"][1] == rows["crashing"][1] == rows["endless"][1] == 0
     assert rows["endless"][2] == rows["endless"][0]  # every endless one timed out
     assert "pass rate" in out
+
+
+def _readme_snippet(section: str) -> str:
+    """The first Python block under the README's ``## section``."""
+    body = README.read_text().split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+    found = re.search(r"```python\n(.*?)```", body, re.S)
+    assert found, f"no Python snippet under '## {section}'"
+    return found.group(1)
+
+
+@pytest.mark.timeout(300)
+def test_readme_first_snippet_runs_as_written(tmp_path, default_image):
+    """Copied into a file of its own and run in an empty directory, on a Ray cluster of its
+    own (``ray.init()`` with ``RAY_ADDRESS=local``: never one another test runs)."""
+    script, cwd = tmp_path / "readme_use.py", tmp_path / "cwd"
+    script.write_text(_readme_snippet("Use"))
+    cwd.mkdir()
+    out = _run(tmp_path, script, cwd=cwd, env={"RAY_ADDRESS": "local"})
+    assert out.splitlines()[0].startswith("3."), out  # sys.version inside the sandbox
+    assert "step,loss\n1,0.5\n" in out, out  # the bundle's file, read inside the sandbox

@@ -141,6 +141,26 @@ def test_endless_python_times_out_and_the_server_keeps_serving(
     run(main)
 
 
+def test_a_python_timeout_returns_what_was_printed_before_it(server: SandboxMCPServer) -> None:
+    """As run_shell does (docs/mcp.md): the output before the timeout is the caller's clue."""
+    async def main() -> None:
+        async with Client(server.mcp) as client:
+            await call(client, "run_python", code="kept = 1")
+            res = await call(client, "run_python", timeout=2, code=(
+                "import sys, time\nprint('started', flush=True)\n"
+                "print('to stderr', file=sys.stderr)\nwhile True: time.sleep(0.05)"))
+            assert res["timed_out"] and res["exit_code"] != 0
+            assert (res["stdout"], res["stderr"]) == ("started\n", "to stderr\n")
+            busy = await call(client, "run_python", timeout=2,
+                              code="print('spinning')\nwhile True: pass")
+            assert busy["timed_out"] and busy["stdout"] == "spinning\n"
+            # the interpreter was restarted, as documented: its state is gone
+            gone = await call(client, "run_python", code="'kept' in globals()")
+            assert gone["value"] == "False"
+
+    run(main)
+
+
 def test_a_workspace_volume_survives_reset_and_ends_with_the_connection(
     runtime: SandboxRuntime,
 ) -> None:

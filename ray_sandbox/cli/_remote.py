@@ -6,6 +6,7 @@ is imported only then: it needs httpx (the ``client`` extra), the rest of the CL
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +37,6 @@ def client() -> SandboxClient | None:
     return SandboxClient(_target["url"], _target["token"])
 
 
-
 def _options(config: SandboxConfig) -> dict[str, Any]:
     """Only what the command line set: the service applies its own defaults and limits."""
     return config.model_dump(mode="json", exclude_unset=True)
@@ -64,13 +64,19 @@ def exec_(c: SandboxClient, sandbox_id: str, command: str | list[str],
 
 
 def ps(c: SandboxClient) -> list[dict[str, Any]]:
+    """The rows of the local ``ps``: the service's Unix times as ISO 8601 text in UTC."""
     try:
         return [{"sandbox_id": st["sandbox_id"], "state": st["status"],
                  "reason": st.get("reason"), "image": st.get("image"), "network": None,
-                 "created_at": st.get("created_at"), "owner_pid": None}
+                 "created_at": _iso(st.get("created_at")), "owner_pid": None,
+                 "stock": False}
                 for st in c.statuses()]
     finally:
         c.close()
+
+
+def _iso(unix_time: float | None) -> str | None:
+    return None if unix_time is None else datetime.fromtimestamp(unix_time, UTC).isoformat()
 
 
 def rm(c: SandboxClient, sandbox_id: str) -> None:

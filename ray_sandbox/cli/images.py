@@ -135,8 +135,8 @@ def build(
     as_json: AsJson = False,
 ) -> None:
     """Build one of the offline images (ray-sandbox/busybox, ray-sandbox/python[:3.11|:3.13],
-    ray-sandbox/docker), or with -t a Dockerfile: ``image build -f Dockerfile CONTEXT -t
-    NAME`` runs every step under gVisor (docs/docker.md, "Dockerfile builds"), streams the
+    ray-sandbox/docker), or with -t a Dockerfile: image build -f Dockerfile CONTEXT -t
+    NAME runs every step under gVisor (docs/docker.md, "Dockerfile builds"), streams the
     output to stderr and prints the image, whose REFERENCE (localhost/NAME) is what sandboxes
     on this node use."""
     with _errors():

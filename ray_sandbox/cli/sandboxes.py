@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from ..runtime import SandboxConfig, SandboxRuntime, reaper
 from ..runtime.errors import ConfigError, SandboxError
@@ -142,11 +143,15 @@ def exec_(
 
 
 @app.command()
-def ps(as_json: bool = typer.Option(False, "--json")) -> None:
-    """List every sandbox on this node with its real state (a service's: this tenant's)."""
+def ps(
+    as_json: bool = typer.Option(False, "--json"),
+    show_all: bool = typer.Option(False, "--all", "-a", help="also the Ray hosts' stock of "
+                                  "booted, never-used sandboxes (owner 'stock')"),
+) -> None:
+    """List the sandboxes on this node with their real state (a service's: this tenant's)."""
     try:
         service = _remote.client()
-        rows = _remote.ps(service) if service is not None else _local_ps()
+        rows = _remote.ps(service) if service is not None else _local_ps(show_all)
     except SandboxError as exc:
         raise _fail(exc) from None
     if as_json:
@@ -155,25 +160,35 @@ def ps(as_json: bool = typer.Option(False, "--json")) -> None:
     table = Table("ID", "STATE", "IMAGE", "NETWORK", "CREATED", "OWNER")
     for r in rows:
         state = r["state"] + (f" ({r['reason']})" if r["reason"] else "")
-        table.add_row(r["sandbox_id"][:12], state, r["image"], r["network"] or "",
-                      r["created_at"] or "", str(r["owner_pid"] or "detached"))
+        owner = "stock" if r["stock"] else r["owner_pid"] or "detached"
+        cells = (r["sandbox_id"][:12], state, r["image"], r["network"], r["created_at"], owner)
+        table.add_row(*(Text("" if v is None else str(v)) for v in cells))  # never markup
     Console().print(table)
 
 
-def _local_ps() -> list[dict[str, Any]]:
+# The label the Ray hosts' stock puts on the sandboxes it holds (actor/stock.py STOCK_LABEL;
+# the CLI imports no Ray, and tests/test_cli_stock.py checks the two agree). A sandbox handed
+# out from the stock gets its caller's labels instead.
+STOCK_LABEL = "ray-sandbox/stock"
+
+
+def _local_ps(show_all: bool) -> list[dict[str, Any]]:
     rt = SandboxRuntime(reap=False)
     rows = []
     for sid in rt.list(all=True):
         try:
-            st = rt.get_status(sid)
             rec = rt.record(sid)
+            stock = STOCK_LABEL in rec.config.get("labels", {})
+            if stock and not show_all:
+                continue
+            st = rt.get_status(sid)
         except SandboxError:
             continue
         rows.append({
             "sandbox_id": sid, "state": st.state.value, "reason": st.reason,
             "image": rec.image, "network": rec.config.get("network"),
             "created_at": st.created_at.isoformat() if st.created_at else None,
-            "owner_pid": rec.owner_pid,
+            "owner_pid": rec.owner_pid, "stock": stock,
         })
     return rows
 
@@ -223,7 +238,8 @@ def gc(
 
 @app.command()
 def cp(src: str, dst: str) -> None:
-    """Copy files or directories between host and sandbox: ``ID:/path`` names a sandbox path."""
+    """Copy files or directories between host and sandbox: ID:/path names a path in sandbox
+    ID (one side only), e.g. ray-sandbox cp ./src ID:/work."""
 
     def split(s: str) -> tuple[str | None, str]:
         head, sep, tail = s.partition(":")

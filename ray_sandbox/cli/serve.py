@@ -4,18 +4,37 @@ outlive it and are adopted by its next start."""
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 from rich.markup import escape
 
 from ..runtime.errors import ConfigError
 
 err = Console(stderr=True)
+TOKEN_VARIABLES = ("RAY_SANDBOX_API_TOKEN", "RAY_SANDBOX_API_TOKENS",
+                   "RAY_SANDBOX_API_TOKENS_FILE")
+
+
+def _refuse(message: str) -> NoReturn:
+    err.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True)
+    raise typer.Exit(2)
+
+
+def _one_line(exc: ConfigError) -> str:
+    """The service's config errors in one line: what pydantic said of each field, without
+    its report around it (the input, the error type, a link)."""
+    cause = exc.__context__
+    if not isinstance(cause, ValidationError):
+        return str(exc)
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: "
+                     f"{e['msg'].removeprefix('Value error, ')}" for e in cause.errors())
 
 
 def serve(
@@ -27,7 +46,8 @@ def serve(
     tokens_file: Annotated[Path | None, typer.Option(
         help="one tenant=token a line (also RAY_SANDBOX_API_TOKENS_FILE)")] = None,
     quota: Annotated[list[str], typer.Option(
-        help="[TENANT:]sandboxes=N,cpu=C,memory=M (repeatable; no tenant: every tenant)")
+        help="what a tenant may hold, e.g. alice:sandboxes=4,cpu=2 or (every tenant) "
+             "sandboxes=8,memory=16Gi; keys sandboxes, cpu, memory; repeatable")
     ] = [],  # noqa: B006 - typer reads the default
     max_file_bytes: Annotated[int | None, typer.Option(help="one file up or down")] = None,
     audit_log: Annotated[Path | None, typer.Option(help="also append audit lines here")] = None,
@@ -51,6 +71,10 @@ def serve(
         err.print(f"[red]error:[/red] the service needs Ray Serve ({escape(str(exc))}): "
                   "pip install 'ray_sandbox[service]'")
         raise typer.Exit(2) from None
+    if tokens_file is None and not any(os.environ.get(k) for k in TOKEN_VARIABLES):
+        _refuse("no API token: give one with RAY_SANDBOX_API_TOKEN=TOKEN (one tenant), "
+                "RAY_SANDBOX_API_TOKENS=TENANT=TOKEN,... or --tokens-file FILE (one "
+                "TENANT=TOKEN a line; also RAY_SANDBOX_API_TOKENS_FILE)")
     settings = {k: v for k, v in {"max_file_bytes": max_file_bytes, "audit_log": audit_log,
                                   "num_replicas": replicas, "public_url": public_url}.items()
                 if v is not None}
@@ -58,11 +82,13 @@ def serve(
         config = from_env(tokens_file=tokens_file, quotas=tuple(quota),
                           policy_file=tenant_policy, **settings)
     except ConfigError as exc:
-        err.print(f"[red]error:[/red] {escape(str(exc))}")
-        raise typer.Exit(2) from None
+        _refuse(_one_line(exc))
     ray.init(address=address, log_to_driver=False)
     url = start(config, host, port)
-    err.print(f"serving {url} for tenants {', '.join(sorted(config.tokens))}")
+    err.print(f"serving {url} for tenants {', '.join(sorted(config.tokens))}", soft_wrap=True)
+    join = ray.get_runtime_context().gcs_address
+    err.print(f'Ray scripts (ray_sandbox, its Modal facade) join this cluster with '
+              f'ray.init(address="{join}")', soft_wrap=True, markup=False, highlight=False)
     stopped = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopped.set())

@@ -179,7 +179,8 @@ def stream_item(line: str, sandbox_id: str) -> OutputChunk | ExecResult | None:
     if kind == "exit":
         return ExecResult(exit_code=item["exit_code"], stdout_bytes=item["stdout"].encode(),
                           stderr_bytes=item["stderr"].encode(), timed_out=item["timed_out"],
-                          truncated=item.get("truncated", False), signal=item.get("signal"))
+                          truncated=item.get("truncated", False), signal=item.get("signal"),
+                          duration_seconds=item.get("duration_seconds") or 0.0)
     if kind == "error":
         code = str(item.get("code", "error"))
         raise error_class(code)(f"{code}: {item.get('message', '')}", sandbox_id=sandbox_id)

@@ -146,7 +146,8 @@ class SandboxMCPServer:
     ) -> PythonRunResult:
         """Run Python code in the session's persistent interpreter (variables and imports are
         kept between calls, like a notebook). The repr of a trailing expression is returned
-        as `value`. A timeout kills the interpreter, so its state is lost."""
+        as `value`. A timeout returns what the code printed so far and restarts the
+        interpreter, so its state is lost."""
         seconds = self.config.clamp_timeout(timeout)
         handle, res = await self._call(
             ctx, session, lambda sid: self.runtime.run_python(sid, code, timeout=seconds)

@@ -63,6 +63,21 @@ def classify(returncode: int, stderr: str) -> type[ImageError]:
     return next((cls for pattern, cls in _RULES if pattern.search(stderr)), ImageError)
 
 
+_MSG = re.compile(r'msg="((?:[^"\\]|\\.)*)"')
+_REASON_CHARS = 500  # a registry's words reach the message: bounded
+
+
+def reason(stderr: str) -> str:
+    """Why skopeo failed, in its own words: the ``msg`` of its last log line (unescaped,
+    without the "Error parsing image name" preamble our message already says), else its
+    last line of stderr."""
+    found = _MSG.findall(stderr)
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    text = re.sub(r'\\(.)', r"\1", found[-1]) if found else (lines[-1] if lines else "")
+    text = re.sub(r'^Error parsing image name "[^"]*": ', "", text)
+    return text if len(text) <= _REASON_CHARS else text[: _REASON_CHARS - 1] + "…"
+
+
 def _bool(flag: str, value: bool) -> str:
     return f"{flag}={'true' if value else 'false'}"
 
@@ -103,12 +118,22 @@ class Skopeo:
                 _bool("--dest-tls-verify", dest_tls_verify), *self._auth()]
         if all_images:
             args.append("--all")
-        _proc.run(self._argv(tmpdir, "copy", *args, src, dest), timeout=timeout,
-                  classify=classify, what=f"skopeo copy {src}")
+        _run(self._argv(tmpdir, "copy", *args, src, dest), timeout, f"skopeo copy {src}")
 
     def inspect_raw(self, src: str, *, timeout: float, tls_verify: bool = True) -> bytes:
         """The manifest (or image index) of ``src`` exactly as stored, for digesting."""
         args = ["--raw", _bool("--tls-verify", tls_verify), *self._auth()]
-        done = _proc.run(self._argv(None, "inspect", *args, src), timeout=timeout,
-                         classify=classify, what=f"skopeo inspect {src}")
-        return done.stdout
+        return _run(self._argv(None, "inspect", *args, src), timeout,
+                    f"skopeo inspect {src}").stdout
+
+
+def _run(argv: list[str], timeout: float, what: str) -> _proc.Completed:
+    """A failure raises the ImageError its stderr describes, with skopeo's reason in the
+    message (the service and the Ray layer show the message, not the stderr)."""
+    done = _proc.run(argv, timeout=timeout, check=False, what=what)
+    if done.returncode != 0:
+        why = reason(done.stderr)
+        raise classify(done.returncode, done.stderr)(
+            f"{what} failed: {why}" if why else f"{what} failed", argv=argv,
+            returncode=done.returncode, stderr=done.stderr)
+    return done

@@ -11,6 +11,7 @@ bytes of stdout and ``err`` bytes of stderr.
 from __future__ import annotations
 
 import json
+import signal
 import struct
 import threading
 import time
@@ -20,6 +21,7 @@ from ..results import ExecResult
 from .client import DEFAULT_MAX_OUTPUT, AgentClient, AgentProcess
 
 _LEN = struct.Struct(">I")
+_INTERRUPT_GRACE_S = 2.0  # how long timed-out code gets to hand back its output
 
 DRIVER = r"""
 import ast, json, os, struct, sys, traceback
@@ -97,7 +99,7 @@ class PythonResult(ExecResult):
 class PythonContext:
     """One persistent interpreter (state kept between runs). Separate contexts are separate
     interpreters. A timeout or crash kills the interpreter; the next run starts a fresh one,
-    so state is then reset."""
+    so state is then reset. A timed-out run still returns what the code printed."""
 
     def __init__(
         self,
@@ -171,17 +173,32 @@ class PythonContext:
                 exception=head["exception"],
             )
         timed_out = not proc.done
+        printed = self._interrupt(proc) if timed_out else None
         proc.kill()
         died = proc.wait(timeout=5.0) or ExecResult(exit_code=137, signal=9)
         self._stop()
+        out, err = printed or (died.stdout_bytes, died.stderr_bytes)
         return PythonResult(
             exit_code=died.exit_code,
             signal=died.signal,
-            stdout_bytes=died.stdout_bytes,
-            stderr_bytes=died.stderr_bytes,
+            stdout_bytes=out,
+            stderr_bytes=err,
             duration_seconds=elapsed,
             timed_out=timed_out,
         )
+
+    def _interrupt(self, proc: AgentProcess) -> tuple[bytes, bytes] | None:
+        """What the timed-out code printed: SIGINT raises KeyboardInterrupt in it, and the
+        driver replies with its captured output as after any exception (the traceback it
+        adds is dropped). None if no reply comes within ``_INTERRUPT_GRACE_S`` (the code
+        ignored the signal, or it arrived between requests)."""
+        proc.kill(signal.SIGINT)
+        reply = self._reply(proc, time.monotonic() + _INTERRUPT_GRACE_S)
+        if reply is None:
+            return None
+        head, out, err = reply
+        tb = (head["exception"] or "").encode()
+        return out, err[: -len(tb)] if tb and err.endswith(tb) else err
 
     def _reply(
         self, proc: AgentProcess, deadline: float | None

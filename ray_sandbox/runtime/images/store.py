@@ -22,6 +22,7 @@ from ..errors import (
     ImageNotFoundError,
     ImageReferenceError,
     PlatformNotFoundError,
+    RegistryUnreachableError,
     StoreFullError,
 )
 from ..skopeo import Skopeo
@@ -86,6 +87,10 @@ LOCAL_IMAGES: dict[str, LocalImage] = {
     f"{LOCAL_NAMESPACE}/docker:latest": LocalImage(image_builders.write_docker_layout,  # docker.py
                                                    image_builders.DOCKER_IMAGE.recipe),
 }
+_UNREACHABLE_HINT = (
+    "Without a registry this node reaches, use an image built here: "
+    + ", ".join(r.removesuffix(":latest") for r in LOCAL_IMAGES)
+    + " (ray-sandbox image build NAME), or one already stored (ray-sandbox image ls)")
 
 
 def _nearly_full(path: Path) -> bool:
@@ -307,7 +312,12 @@ class ImageStore:
             if not refetch and (image := self._lookup(ref, key) or
                                 self._share_build(ref, key, deadline)) is not None:
                 return image
-            image = self._fetch(ref, key, deadline, progress or (lambda _: None))
+            try:
+                image = self._fetch(ref, key, deadline, progress or (lambda _: None))
+            except RegistryUnreachableError as exc:
+                raise RegistryUnreachableError(
+                    f"{exc.message}. {_UNREACHABLE_HINT}", argv=exc.argv,
+                    returncode=exc.returncode, stderr=exc.stderr) from None
         eviction.evict(self._dir, self.max_bytes, keep=image.digest)
         return image
 
