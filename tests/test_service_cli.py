@@ -98,9 +98,6 @@ def test_serve_runs_the_api_until_interrupted(ray_cluster, tmp_path):
 
 
 # After the serve test: this module's service fixture deploys the same Serve app.
-@pytest.mark.xfail(strict=True, reason=(
-    "the service's exit line of a streamed exec has no duration_seconds (service/_streams.py "
-    "_exit_line; the client reads it when present): remove this mark with that change"))
 def test_a_streamed_exec_ends_with_its_real_duration(service):
     from tests.fx_service import TOKENS
 

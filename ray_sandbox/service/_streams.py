@@ -129,7 +129,7 @@ async def cancel(stream: Stream, call: Call) -> None:
 def _exit_line(res: ExecResult, timed_out: bool) -> bytes:
     return _line(type="exit", exit_code=res.exit_code, stdout=res.stdout, stderr=res.stderr,
                  timed_out=timed_out or res.timed_out, signal=res.signal,
-                 truncated=res.truncated)
+                 truncated=res.truncated, duration_seconds=res.duration_seconds)
 
 
 def _line(**fields: Any) -> bytes:
