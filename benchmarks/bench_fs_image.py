@@ -48,7 +48,7 @@ def run(n: int) -> list[dict]:
             for _ in range(n):
                 ms, snap = _ms(rt.snapshot, src)
                 samples[f"{image}: snapshot (baseline)"].append(ms)
-                rt.delete_snapshot(snap)
+                rt.snapshots.delete(snap)
                 ms, fs = _ms(rt.snapshot_filesystem, src)
                 samples[f"{image}: snapshot_filesystem"].append(ms)
                 sizes.append(fs.size_bytes)

@@ -75,7 +75,7 @@ def bench_pause(rt: SandboxRuntime, n: int) -> list[dict]:
             total.append((time.perf_counter() - t0) * 1000)
             time.sleep(0.3)
             gaps.append(_max_gap_ms(rt, sid))
-            rt.delete_snapshot(snap)
+            rt.snapshots.delete(snap)
         del rt.runsc.checkpoint
         return [
             summarize("parent stall during snapshot (tick loop)", gaps, goal_ms=200),
@@ -128,7 +128,7 @@ def bench_256mb(rt: SandboxRuntime, n: int) -> list[dict]:
             (kid,) = rt.restore(snap)
             restore_ms.append((time.perf_counter() - t0) * 1000)
             rt.delete(kid)
-            rt.delete_snapshot(snap)
+            rt.snapshots.delete(snap)
             t0 = time.perf_counter()
             fresh = rt.create(image=IMAGE, memory="1Gi", cpu=1, readonly=False)
             create_ms.append((time.perf_counter() - t0) * 1000)

@@ -137,7 +137,7 @@ def test_restored_copies_keep_their_own_cap(runtime, where):
     finally:
         for c in [*copies, sid]:
             runtime.delete(c)
-        runtime.delete_snapshot(snap)
+        runtime.snapshots.delete(snap)
     assert leftovers_after_teardown(runtime.home, {sid, *copies}) == {}
 
 

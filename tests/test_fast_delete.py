@@ -113,7 +113,7 @@ def test_an_id_used_again_waits_for_its_old_teardown(runtime):
         assert runtime.get_status(sid).state == SandboxState.RUNNING
     finally:
         runtime.delete(sid)
-        runtime.delete_snapshot(snap)
+        runtime.snapshots.delete(snap)
     assert leftovers_after_teardown(runtime.home, {sid}) == {}
 
 

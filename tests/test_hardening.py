@@ -112,7 +112,7 @@ def test_snapshot_restore_and_fork_keep_the_hardened_sentry(runtime):
         try:
             made += runtime.restore(snap, 2)
         finally:
-            runtime.delete_snapshot(snap)
+            runtime.snapshots.delete(snap)
         made += runtime.fork(sid)
         for copy in made:
             assert runtime.exec(copy, "cat /root/f /w/f /tmp/f").stdout == "root\nwork\ntmp\n"

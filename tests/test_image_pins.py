@@ -41,7 +41,7 @@ def test_a_restore_under_a_used_id_keeps_its_pin(runtime):
         assert owner in runtime.images.pins(digest)
     finally:
         runtime.delete(sid)
-        runtime.delete_snapshot(snap)
+        runtime.snapshots.delete(snap)
 
 
 def test_a_restore_that_fails_before_its_record_leaves_no_pin(runtime, default_image):
@@ -60,7 +60,7 @@ def test_a_restore_that_fails_before_its_record_leaves_no_pin(runtime, default_i
         assert runtime._launcher._pin_owner(sid) not in {
             p.owner for p in runtime.images.pin_list()}
     finally:
-        runtime.delete_snapshot(snap.snapshot_id)
+        runtime.snapshots.delete(snap.snapshot_id)
     assert leftovers_after_teardown(runtime.home, {src, sid}) == {}
 
 

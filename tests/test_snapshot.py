@@ -139,7 +139,7 @@ def test_snapshot_restores_many_times_and_readonly_workdir(snap_rt):
         finally:
             for k in kids:
                 snap_rt.delete(k)
-        snap_rt.delete_snapshot(snap)
+        snap_rt.snapshots.delete(snap)
         assert not Path(snap.path).exists()
         with pytest.raises(SnapshotNotFoundError):
             snap_rt.restore(snap)
@@ -162,7 +162,7 @@ def test_children_get_fresh_seed_but_same_process_prng(snap_rt):
             time.sleep(0.05)
         snap = snap_rt.snapshot(sid)
         kids = snap_rt.restore(snap, 2, on_restore="cat /.rsb/run/seed > /tmp/seed-copy")
-        snap_rt.delete_snapshot(snap)
+        snap_rt.snapshots.delete(snap)
         try:
             seeds = [snap_rt.exec(k, "cat /tmp/seed-copy").stdout for k in kids]
             assert seeds[0] != seeds[1] and len(seeds[0].strip()) == 64
@@ -198,7 +198,7 @@ def test_bad_input_and_corrupt_snapshots(snap_rt, sandbox):
         with pytest.raises(SnapshotCorruptError, match="damaged"):
             snap_rt.restore(snap)
     finally:
-        snap_rt.delete_snapshot(snap)
+        snap_rt.snapshots.delete(snap)
 
 
 def test_failed_restore_leaves_nothing(snap_rt, sandbox, rt_home):
@@ -208,7 +208,7 @@ def test_failed_restore_leaves_nothing(snap_rt, sandbox, rt_home):
         with pytest.raises(SandboxCreationError, match="on_restore exited 3"):
             snap_rt.restore(snap, 3, on_restore="test -e /nonexistent || exit 3")
     finally:
-        snap_rt.delete_snapshot(snap)
+        snap_rt.snapshots.delete(snap)
     # nothing new; what was there may have gone meanwhile (earlier tests' background teardowns)
     assert {p.name for p in (rt_home / "sandboxes").iterdir()} <= before
     assert snap_rt.exec(sandbox, "echo alive").stdout == "alive\n"
@@ -239,8 +239,8 @@ def test_spawned_handle_is_detached_and_warm_python_restarts(snap_rt, sandbox, p
     proc = snap_rt.spawn(sandbox, ["/bin/sh", "-c", "echo started; sleep 1000"])
     assert proc.read(timeout=10) == b"started\n"
     assert snap_rt.run_python(py_sandbox, "x = 41").ok
-    snap_rt.delete_snapshot(snap_rt.snapshot(sandbox))
-    snap_rt.delete_snapshot(snap_rt.snapshot(py_sandbox))
+    snap_rt.snapshots.delete(snap_rt.snapshot(sandbox))
+    snap_rt.snapshots.delete(snap_rt.snapshot(py_sandbox))
     with pytest.raises(SandboxStateError, match="detached"):
         proc.wait(timeout=10)
     assert "sleep 1000" in snap_rt.exec(sandbox, "ps").stdout  # still running inside

@@ -302,7 +302,7 @@ def test_copies_remount_volumes(runtime, volume):
     finally:
         for copy in made:
             runtime.delete(copy)
-        runtime.delete_snapshot(snap)
+        runtime.snapshots.delete(snap)
     assert leftovers_after_teardown(runtime.home, set(made)) == {}
     assert runtime.volumes.inspect(volume).mounts == []
     runtime.volumes.delete("copies-ro")

@@ -367,7 +367,7 @@ class SandboxHost:
             busy = bool(self._pgs or self._inflight or self._procs or self._closing)
         if not busy:
             me = os.getpid()
-            busy = any(snap.owner_pid == me for snap in self._rt.list_snapshots())
+            busy = any(snap.owner_pid == me for snap in self._rt.snapshots.list())
         now = time.monotonic()
         if busy:
             self._idle_since = now
@@ -444,10 +444,10 @@ class SandboxHost:
 
     def snapshot_stream(self, snapshot_id: str) -> Iterator[bytes]:
         """The snapshot's files as a tar stream (for a restore on another node)."""
-        yield from self._rt.export_snapshot(snapshot_id)
+        yield from self._rt.snapshots.export(snapshot_id)
 
     def delete_snapshot(self, snapshot_id: str) -> None:
-        self._rt.delete_snapshot(snapshot_id)
+        self._rt.snapshots.delete(snapshot_id)
 
     def suspend(self, sandbox_id: str) -> Snapshot:
         """Checkpoint to disk, delete the sandbox, release its reservation. The snapshot
@@ -466,7 +466,7 @@ class SandboxHost:
 
     def find_suspended(self, key: str) -> Snapshot | None:
         """The suspension snapshot of the sandbox with this id or name, if on this node."""
-        for snap in self._rt.list_snapshots():
+        for snap in self._rt.snapshots.list():
             lbl = snap.labels
             if SUSPENDED_LABEL in lbl and key in (lbl[SUSPENDED_LABEL], lbl.get(NAME_LABEL)):
                 return snap

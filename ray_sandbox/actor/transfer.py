@@ -97,12 +97,12 @@ class SnapshotImports:
         with self._lock:
             lock = self._fetching.setdefault(snap.snapshot_id, threading.Lock())
         with lock:
-            if self._rt.has_snapshot(snap.snapshot_id):
+            if self._rt.snapshots.has(snap.snapshot_id):
                 return
             source = host_of(snap.node_id)
             gen = source.snapshot_stream.options(num_returns="streaming").remote(
                 snap.snapshot_id)
-            self._rt.import_snapshot(fetch(gen))
+            self._rt.snapshots.import_(fetch(gen))
 
 
 class ImageImports:

@@ -147,6 +147,26 @@ def _verb(method: Callable[[Any, str, Any], T]) -> Callable[..., T]:
     return wrapper
 
 
+def _deprecated(alias: str, name: str) -> Callable[..., Any]:
+    def method(self: SandboxRuntime, *args: Any, **kwargs: Any) -> Any:
+        warnings.warn(f"SandboxRuntime.{alias} is deprecated: use runtime.snapshots.{name}",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(self.snapshots, name)(*args, **kwargs)
+
+    method.__name__ = method.__qualname__ = alias
+    method.__doc__ = f"Deprecated: ``runtime.snapshots.{name}``."
+    return method
+
+
+def _in_thread(name: str) -> Callable[..., Any]:
+    async def method(self: SandboxRuntime, *args: Any, **kwargs: Any) -> Any:
+        return await asyncio.to_thread(getattr(self, name), *args, **kwargs)
+
+    method.__name__ = method.__qualname__ = f"{name}_async"
+    method.__doc__ = f"``{name}`` in a thread, awaitable."
+    return method
+
+
 # A sandbox in use (a call or process running) is looked at this often for idleness; its
 # idle time counts from the last look that found it in use, within this much.
 _IDLE_BUSY_RECHECK_S = 1.0
@@ -453,28 +473,13 @@ class SandboxRuntime:
         finally:
             self.snapshots.delete(snap)
 
-    def delete_snapshot(self, snapshot: Snapshot | str) -> None:
-        """Remove a snapshot's files from this node. Idempotent."""
-        self.snapshots.delete(snapshot)
-
-    def list_snapshots(self) -> list[Snapshot]:
-        """Every complete snapshot on this node."""
-        return self.snapshots.list()
-
-    def get_snapshot(self, snapshot_id: str) -> Snapshot:
-        return self.snapshots.get(snapshot_id)
-
-    def has_snapshot(self, snapshot_id: str) -> bool:
-        return self.snapshots.has(snapshot_id)
-
-    def export_snapshot(self, snapshot_id: str) -> Iterator[bytes]:
-        """The snapshot's files as a tar stream, for :meth:`import_snapshot` on another node."""
-        return self.snapshots.export(snapshot_id)
-
-    def import_snapshot(self, chunks: Iterable[bytes], *, detach: bool = False) -> Snapshot:
-        """Store a snapshot exported on another node (same id); owned by this process unless
-        ``detach``. A damaged stream leaves nothing behind."""
-        return self.snapshots.import_(chunks, detach=detach)
+    # Deprecated: the same verbs of ``runtime.snapshots`` (SnapshotStore), named twice here
+    delete_snapshot = _deprecated("delete_snapshot", "delete")
+    list_snapshots = _deprecated("list_snapshots", "list")
+    get_snapshot = _deprecated("get_snapshot", "get")
+    has_snapshot = _deprecated("has_snapshot", "has")
+    export_snapshot = _deprecated("export_snapshot", "export")
+    import_snapshot = _deprecated("import_snapshot", "import_")
 
     # --- status ----------------------------------------------------------------------------
 
@@ -694,14 +699,10 @@ class SandboxRuntime:
                 out.append(SandboxLink(to=to, host=host, port=port))
         return out
 
-    async def exec_async(self, sandbox_id: str, command: str | list[str], **kw: Any) -> ExecResult:
-        return await asyncio.to_thread(self.exec, sandbox_id, command, **kw)
-
-    async def create_async(self, config: Any = None, **kw: Any) -> str:
-        return await asyncio.to_thread(self.create, config, **kw)
-
-    async def delete_async(self, sandbox_id: str) -> None:
-        await asyncio.to_thread(self.delete, sandbox_id)
+    # awaitable twins, run in a thread (a SandboxRuntime is thread-safe)
+    exec_async = _in_thread("exec")
+    create_async = _in_thread("create")
+    delete_async = _in_thread("delete")
 
     # --- files -------------------------------------------------------------------------------
 

@@ -31,3 +31,12 @@ def test_public_surface_is_the_planned_one():
 def test_every_public_name_resolves():
     for name in ray_sandbox.__all__:
         assert getattr(ray_sandbox, name) is not None
+
+
+def test_the_runtimes_snapshot_aliases_are_deprecated(tmp_path):
+    import pytest
+
+    rt = SandboxRuntime.__new__(SandboxRuntime)  # no node state needed for an alias
+    rt.snapshots = type("Store", (), {"list": lambda self: ["kept"]})()
+    with pytest.deprecated_call(match="runtime.snapshots.list"):
+        assert rt.list_snapshots() == ["kept"]
