@@ -282,7 +282,7 @@ def test_create_racing_a_retiring_host_keeps_its_reservation(ray_cluster):
     def retire_soon(self):
         import threading
 
-        self._retiring = True
+        self._here.retiring = True
         threading.Timer(1.0, lambda: ray.get_runtime_context().current_actor
                         .__ray_terminate__.remote()).start()
 
@@ -293,7 +293,7 @@ def test_create_racing_a_retiring_host_keeps_its_reservation(ray_cluster):
         # it was refused by the retiring host and landed on a fresh one
         assert _host_gone(ray, host) and host_pid(ray, sb._host) != old_pid
         assert ray.get(sb.exec.remote("echo fresh")).stdout == "fresh\n"
-        pg_hex = ray.get(sb._host.__ray_call__.remote(lambda self, i: self._pgs[i],
+        pg_hex = ray.get(sb._host.__ray_call__.remote(lambda self, i: self._here.pgs[i],
                                                       sb.sandbox_id))
         assert placement_group_table(PlacementGroup(ray.PlacementGroupID(
             bytes.fromhex(pg_hex))))["state"] == "CREATED"

@@ -14,10 +14,11 @@ busy, even a zero-CPU one, so a host that stayed would keep the autoscaler from 
 its node. Callers that reach a retiring or retired host start a fresh one
 (``hosts.call_host``).
 
-(~620 lines, ~50 methods: the actor's surface is every call a handle, the service or another
-node makes of this node, each a few lines over the runtime; admission, blocks, stock, copies,
-transfer, volumes and the channel already live in their own modules. Splitting the actor
-class would need a second actor per node, which costs a Ray worker.)
+The actor's surface is every call a handle, the service or another node makes of this node.
+The sandbox's verbs are not written here: ``call``/``stream`` dispatch any row of the verb
+table (runtime/verbs.py) to the runtime, or to this module's function for the few verbs the
+host adds to (``_OWN``). What runs here is kept in ``residents``, how sandboxes come up in
+``boots``, and blocks, stock, copies, transfers and the channel in their own modules.
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ from ..runtime.config import SandboxConfig
 from ..runtime.errors import (
     CapacityError,
     ConfigError,
-    HostRetiringError,
     ImageNotFoundError,
     SandboxCreationError,
     SandboxError,
@@ -53,15 +53,15 @@ from ..runtime.snapshot import Snapshot, SnapshotDir
 from ..runtime.verbs import ExecRequest, LinkRequest, NoRequest, Request, SpawnRequest
 from . import metrics
 from .blocks import Block, Blocks, Shape, sweep_dead_nodes
+from .boots import BOOT_PARALLEL, Boots
 from .channel import ChannelServer
 from .labels import DETACHED_LABEL, HOST_PREFIX, NAME_LABEL, NAMESPACE, SUSPENDED_LABEL
-from .placement import PG_LABEL, bundle_label, pg_gone, release_reaped, remove_pg
+from .placement import PG_LABEL, bundle_label, pg_gone, release_reaped
+from .residents import Residents
 from .stock import Stock
 from .transfer import ImageImports, SnapshotImports, fetch, rechunk
 
 _WATCH_INTERVAL = 1.0
-_BOOT_PARALLEL = 16  # sandboxes booting at once on one host; more only queue in the kernel
-_REFILL_QUIET_S = 0.1  # the stock refills once creates paused this long (first commands run)
 
 log = logging.getLogger(__name__)
 
@@ -90,63 +90,49 @@ def _dead_jobs() -> set[str]:
 
 
 class SandboxHost:
-    """The per-node actor. Its methods take a sandbox id and forward to the runtime."""
+    """The per-node actor: the runtime's verbs for every sandbox of its node (``call``,
+    ``stream``: runtime/verbs.py), creates and copies under Ray's reservations, and the
+    transfers that cross nodes through the object store."""
 
     def __init__(self, home: str | None = None) -> None:
         self.node_id = ray.get_runtime_context().get_node_id()
         self._rt = SandboxRuntime(home, reap=False)
-        self._lock = threading.Lock()
-        self._pgs: dict[str, str] = {}
-        self._jobs: dict[str, str] = {}  # sandbox id -> owning job id (absent: detached)
-        self._procs: dict[str, AgentProcess] = {}
         self._imports = SnapshotImports(self._rt, self.node_id)
-        self._image_imports = ImageImports(self._rt.home, self.node_id)
-        self._inflight = 0
-        self._last_create = 0.0  # when the last create ended (monotonic)
-        self._closing = False
-        self._retiring = False
         self._idle_since = time.monotonic()
         self._idle_limit = _number_env("RAY_SANDBOX_HOST_IDLE_S", 60.0)
-        self._idle = threading.Condition(self._lock)
-        self._boots = threading.BoundedSemaphore(_BOOT_PARALLEL)
         self._blocks = Blocks(self.node_id, Path(self._rt.home) / "blocks",
                               idle_s=_number_env("RAY_SANDBOX_BLOCK_IDLE_S", 10.0))
+        self._here = Residents(self.node_id, self._blocks)
         release_reaped(self._rt)  # a restarted host: the dead incarnation's sandboxes
         self._stock = Stock(
-            self._rt, self._blocks, self.node_id, busy=self._creates_in_flight,
+            self._rt, self._blocks, self.node_id, busy=self._here.creating,
             per_shape=int(_number_env("RAY_SANDBOX_STOCK_PER_SHAPE", 8)),
             total=int(_number_env("RAY_SANDBOX_STOCK_MAX", 32)),
             idle_s=_number_env("RAY_SANDBOX_STOCK_IDLE_S", 30.0),
             share=_number_env("RAY_SANDBOX_STOCK_SHARE", 0.25))
-        self._channel = ChannelServer.start(Path(self._rt.home) / "host.sock", self._direct)
-        threading.Thread(target=self._watch, name="ray-sandbox-pg-watch", daemon=True).start()
+        self._boots = Boots(self._rt, self._blocks, self._stock,
+                            ImageImports(self._rt.home, self.node_id), start_host)
+        self._channel = ChannelServer.start(Path(self._rt.home) / "host.sock", self.call)
+        threading.Thread(target=_watch, args=(self,), name="ray-sandbox-pg-watch",
+                         daemon=True).start()
 
     def ping(self) -> str:
         return self.node_id
 
     def channel(self) -> tuple[str, str | None, bytes | None]:
-        """This host's node, where callers on that node reach :meth:`exec` without an actor
+        """This host's node, where callers on that node reach :meth:`call` without an actor
         call and the token they need (``channel.py``); (node, None, None) without one."""
-        if self._channel is None or self._retiring:
+        if self._channel is None or self._here.retiring:
             return self.node_id, None, None
         return self.node_id, str(self._channel.path), self._channel.token
-
-    def _direct(self, verb: str, sandbox_id: str, request: Request) -> Any:
-        """A call that came through the channel: exactly what the actor call does."""
-        return self.call(verb, sandbox_id, request)
 
     def stock(self) -> dict[str, int]:
         """The stock's hits, misses, stocked sandboxes and target (``stock.py``)."""
         return self._stock.stats()
 
-    def _creates_in_flight(self) -> bool:
-        """Callers' creates, hand-outs from the stock included, or one ended less than
-        ``_REFILL_QUIET_S`` ago: a refill boot (~160 ms of CPU) started during a burst of
-        hand-outs, or right after it, delayed them and the first commands their callers send
-        (bursts of 8, p50 128 ms on 2 cores)."""
-        with self._lock:
-            return (self._inflight > 0
-                    or time.monotonic() - self._last_create < _REFILL_QUIET_S)
+    def blocks(self) -> list[Block]:
+        """This host's blocks: placement group, shape, size, slots used."""
+        return self._blocks.reserved()
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -154,8 +140,8 @@ class SandboxHost:
                detached: bool, owner_job: str | None = None) -> str:
         """A sandbox under the caller's own reservation ``pg_hex`` (one that waited for room
         as pending Ray demand); the reservation is removed when the sandbox ends."""
-        return self._start(pg_hex, None if detached else owner_job,
-                           lambda: self._boot(config, pg_hex, name))
+        return self._here.start(pg_hex, None if detached else owner_job,
+                                lambda: self._boots.boot(config, pg_hex, name))
 
     def create_many(self, config: SandboxConfig, bundle: Mapping[str, float], k: int,
                     detached: bool, owner_job: str | None = None, name: str | None = None,
@@ -163,18 +149,19 @@ class SandboxHost:
         """Up to ``k`` sandboxes in this node's blocks, booted in parallel. Returns each one's
         id or error, in order (CapacityError for those the node has no room for), and the
         free slots this host advertises afterwards."""
-        self._check_open()
+        self._here.check_open()
         stocked: list[tuple[str, str]] = []
         while len(stocked) < k and (got := self._stock.take(config, bundle)) is not None:
             stocked.append(got)
-        slots = self._slots(bundle, k - len(stocked))
+        slots = self._boots.slots(bundle, k - len(stocked))
         job = None if detached else owner_job
 
         def one(item: tuple[str | None, str]) -> str | SandboxError:
             sid, pg_hex = item
             try:
-                return self._start(pg_hex, job, lambda: self._hand_out(sid, config, pg_hex, name)
-                                   if sid else self._boot(config, pg_hex, name))
+                return self._here.start(
+                    pg_hex, job, lambda: self._boots.hand_out(sid, config, pg_hex, name)
+                    if sid else self._boots.boot(config, pg_hex, name))
             except SandboxError as exc:
                 return exc
             except Exception as exc:  # noqa: BLE001 - reported with the others, not raised
@@ -183,112 +170,12 @@ class SandboxHost:
         items = stocked + [(None, pg_hex) for pg_hex in slots]
         results: list[str | SandboxError] = [one(items[0])] if len(items) == 1 else []
         if len(items) > 1:  # a thread per call costs a single create ~0.2 ms for nothing
-            with ThreadPoolExecutor(max_workers=min(len(items), _BOOT_PARALLEL)) as ex:
+            with ThreadPoolExecutor(max_workers=min(len(items), BOOT_PARALLEL)) as ex:
                 results = list(ex.map(one, items))
         missing = k - len(items)
         results += [CapacityError(f"node {self.node_id} had room for {len(items)} of {k}")
                     ] * missing
-        return results, self._advertised()
-
-    def _slots(self, bundle: Mapping[str, float], k: int) -> list[str]:
-        """Up to ``k`` block slots; stocked sandboxes of the shape give theirs up to real
-        demand when the node has no other room."""
-        slots: list[str] = []
-        for _ in range(2):
-            if len(slots) == k:
-                break
-            try:
-                slots += self._blocks.take(bundle, k - len(slots))
-            except CapacityError:
-                pass
-            if len(slots) < k and not self._stock.evict(bundle, k - len(slots)):
-                break
-        return slots
-
-    def _advertised(self) -> dict[Shape, int]:
-        """Free slots per shape, a stocked sandbox counted as one (it yields its slot)."""
-        free = self._blocks.free_slots()
-        for shape, n in self._stock.shapes().items():
-            free[shape] = free.get(shape, 0) + n
-        return free
-
-    def _hand_out(self, sid: str, config: SandboxConfig, pg_hex: str, name: str | None) -> str:
-        """A stocked sandbox becomes the caller's; one that cannot be is deleted and the
-        caller gets a fresh boot in its slot."""
-        try:
-            self._rt.personalize(sid, config.model_copy(
-                update={"labels": self._labels(config, pg_hex, name)}))
-            return sid
-        except SandboxError as exc:
-            log.warning("stocked sandbox %s could not be handed out (%s); booting anew",
-                        sid, exc)
-            try:
-                self._rt.delete(sid)
-            except SandboxError:
-                pass
-            return self._boot(config, pg_hex, name)
-
-    @staticmethod
-    def _labels(config: SandboxConfig, pg_hex: str, name: str | None) -> dict[str, str]:
-        labels = {**config.labels, PG_LABEL: pg_hex}
-        if name:
-            labels[NAME_LABEL] = name
-        return labels
-
-    def _boot(self, config: SandboxConfig, pg_hex: str, name: str | None) -> str:
-        labels = self._labels(config, pg_hex, name)
-        t0 = time.perf_counter()
-        if config.image:  # a filesystem image from another node is fetched first
-            image = self._image_imports.local_ref(config.image, start_host)
-            config = config.model_copy(update={"image": image})
-        with self._boots:
-            sid = self._rt.create(config.model_copy(update={"labels": labels}), detach=False)
-        metrics.observe_create(time.perf_counter() - t0)
-        return sid
-
-    def blocks(self) -> list[Block]:
-        """This host's blocks: placement group, shape, size, slots used."""
-        return self._blocks.reserved()
-
-    def _check_open(self) -> None:
-        if self._retiring:  # the caller keeps its reservation and asks a fresh host
-            raise HostRetiringError(f"the sandbox host on {self.node_id} is retiring")
-        if self._closing:
-            raise SandboxStateError(f"the sandbox host on {self.node_id} is shutting down")
-
-    def _release(self, pg_hex: str) -> None:
-        """Free a sandbox's reservation: its block slot, or its own placement group."""
-        if self._blocks.owns(pg_hex):
-            self._blocks.give(pg_hex)
-        else:
-            remove_pg(pg_hex)
-
-    def _start(self, pg_hex: str, owner_job: str | None, start: Callable[[], str]) -> str:
-        """``start()`` a sandbox under the reservation ``pg_hex`` and adopt it. Counted in
-        flight so ``shutdown`` can wait for it; refused once shutting down. The reservation
-        is released if the sandbox never comes up."""
-        with self._lock:
-            if self._closing and not self._retiring:  # a retiring host's caller keeps it
-                self._release(pg_hex)
-            self._check_open()
-            self._inflight += 1
-        try:
-            sid = start()
-            with self._lock:
-                self._pgs[sid] = pg_hex
-                if owner_job:
-                    self._jobs[sid] = owner_job
-                n = len(self._pgs)
-            metrics.set_live(self.node_id, n)
-            return sid
-        except BaseException:
-            self._release(pg_hex)
-            raise
-        finally:
-            with self._lock:
-                self._inflight -= 1
-                self._last_create = time.monotonic()
-                self._idle.notify_all()
+        return results, self._boots.advertised()
 
     def delete(self, sandbox_id: str) -> None:
         try:
@@ -296,22 +183,12 @@ class SandboxHost:
                 metrics.count_oom()
             self._rt.delete(sandbox_id)
         finally:
-            with self._lock:
-                pg_hex = self._pgs.pop(sandbox_id, None)
-                self._jobs.pop(sandbox_id, None)
-                for key in [k for k in self._procs if k.startswith(sandbox_id)]:
-                    self._procs.pop(key).close()
-            if pg_hex:
-                self._release(pg_hex)
-            metrics.set_live(self.node_id, len(self._pgs))
+            self._here.forget(sandbox_id)
 
     def shutdown(self, timeout: float = 60.0) -> int:
         """Delete every sandbox on this host, including ones whose create was in flight
         (used by ``ray_sandbox.shutdown``); later creates are refused."""
-        with self._lock:
-            self._closing = True
-            self._idle.wait_for(lambda: self._inflight == 0, timeout=timeout)
-            ids = list(self._pgs)
+        ids = self._here.close_when_idle(timeout)
         for sid in ids:
             try:
                 self.delete(sid)
@@ -322,81 +199,32 @@ class SandboxHost:
         self._blocks.release_all()
         return len(ids)
 
-    def _watch(self) -> None:
-        """Ends sandboxes whose owner is gone and gives back idle blocks. Each second: one
-        job-table read for all of this node's sandboxes (a job's sandboxes die with it).
-        Every ``RAY_SANDBOX_PG_SWEEP_S`` seconds (60): each distinct reservation (removed
-        by hand, or a detached owner's) and the blocks of dead nodes. One GCS call per
-        sandbox per second would saturate the GCS at ~6-7k sandboxes (docs/scale.md)."""
-        every = _sweep_interval()
-        next_sweep = time.monotonic() + every
-        while True:
-            time.sleep(_WATCH_INTERVAL)
-            with self._lock:
-                items = list(self._pgs.items())
-                jobs = dict(self._jobs)
-            live = set(self._rt.list())
-            dead_jobs = _dead_jobs() if jobs else set()
-            gone: set[str] = set()
-            if time.monotonic() >= next_sweep:
-                next_sweep = time.monotonic() + every
-                gone = {pg for pg in {pg for _, pg in items} if pg_gone(pg)}
-                sweep_dead_nodes()
-            if self._retire_if_idle():
-                return
-            self._blocks.shrink()
-            for sid, pg_hex in items:
-                if sid not in live:  # ended by its TTL or idle timeout
-                    with self._lock:
-                        self._pgs.pop(sid, None)
-                        self._jobs.pop(sid, None)
-                    self._release(pg_hex)
-                elif jobs.get(sid) in dead_jobs or pg_hex in gone:
-                    log.info("the owner of %s is gone; deleting the sandbox", sid)
-                    try:
-                        self.delete(sid)
-                    except SandboxError:
-                        pass
-            for pg_hex in gone:  # a block removed by hand: its sandboxes went above
-                if self._blocks.owns(pg_hex):
-                    self._blocks.drop(pg_hex)
+    def list(self, labels: dict[str, str] | None = None) -> list[tuple[str, dict[str, str]]]:
+        out = []
+        stocked = self._stock.ids()
+        for sid in self._rt.list(labels=labels):
+            if sid in stocked:
+                continue
+            try:
+                out.append((sid, self._rt.record(sid).config.get("labels", {})))
+            except SandboxError:
+                continue
+        return out
 
-    def _retire_if_idle(self) -> bool:
-        """Leave once idle for the idle limit, so the node can be scaled down."""
-        with self._lock:
-            busy = bool(self._pgs or self._inflight or self._procs or self._closing)
-        if not busy:
-            me = os.getpid()
-            busy = any(snap.owner_pid == me for snap in self._rt.snapshots.list())
-        now = time.monotonic()
-        if busy:
-            self._idle_since = now
-            return False
-        if now - self._idle_since < self._idle_limit:
-            return False
-        with self._lock:
-            if self._pgs or self._inflight:  # a create got in meanwhile
-                self._idle_since = now
-                return False
-            self._retiring = True
-        if self._channel is not None:
-            self._channel.close()
-        self._stock.close()
-        self._rt.close()  # the stock's deletes and every other teardown finish first
-        self._blocks.release_all()
-        log.info("idle for %.0fs: the sandbox host on %s retires", self._idle_limit,
-                 self.node_id)
-        ray.get_runtime_context().current_actor.__ray_terminate__.remote()
-        return True
+    def config(self, sandbox_id: str) -> SandboxConfig:
+        """The sandbox's config as its caller gave it: our own labels taken out."""
+        cfg = self._rt.record(sandbox_id).sandbox_config
+        return cfg.model_copy(update={"labels": {k: v for k, v in cfg.labels.items()
+                                                 if not k.startswith("ray-sandbox/")}})
 
-    # --- pause, snapshot, restore, suspend ---------------------------------------------------
+    # --- snapshots, copies, suspension, filesystem images -----------------------------------
 
     def snapshot(self, sandbox_id: str, labels: dict[str, str] | None = None,
                  detach: bool = False) -> Snapshot:
         """A snapshot on this node, labelled with the sandbox's Ray reservation so copies
         reserve the same. Owned by this host unless ``detach``."""
-        with self._lock:
-            pg_hex = self._pgs.get(sandbox_id)
+        with self._here.lock:
+            pg_hex = self._here.pgs.get(sandbox_id)
         extra = {**(labels or {}),
                  **(bundle_label(pg_hex, self._blocks.shape(pg_hex)) if pg_hex else {})}
         snap = self._rt.snapshot(sandbox_id, labels=extra, detach=detach)
@@ -419,32 +247,7 @@ class SandboxHost:
             ids = [sandbox_id] if sandbox_id else None
             return self._rt.restore(snapshot, 1, labels=labels, sandbox_ids=ids)[0]
 
-        return self._start(pg_hex, owner_job, start)
-
-    def snapshot_filesystem(self, sandbox_id: str, max_bytes: int | None = None) -> str:
-        """The sandbox's files as an image; its reference works on any node."""
-        kw = {} if max_bytes is None else {"max_bytes": max_bytes}
-        return self._rt.snapshot_filesystem(sandbox_id, scope=self.node_id, **kw).ref
-
-    def fs_image_stream(self, image_id: str) -> Iterator[bytes]:
-        """A filesystem image taken here, as a tar of its OCI layout (for another node)."""
-        path = fs_image.layout(self.node_id, image_id, self._rt.home)
-        if not path.is_dir():
-            raise ImageNotFoundError(f"no filesystem image {image_id} on node {self.node_id}")
-        yield from rechunk(archive.pack_local(path))
-
-    def delete_filesystem_image(self, ref: str) -> None:
-        self._stock.forget_image(ref)
-        self._rt.delete_filesystem_image(ref)
-
-    def filesystem_image_in_use(self, ref: str) -> bool:
-        """Whether a caller's sandbox runs from it: the stock's own copies give way."""
-        self._stock.forget_image(ref)
-        return self._rt.filesystem_image_in_use(ref)
-
-    def snapshot_stream(self, snapshot_id: str) -> Iterator[bytes]:
-        """The snapshot's files as a tar stream (for a restore on another node)."""
-        yield from self._rt.snapshots.export(snapshot_id)
+        return self._here.start(pg_hex, owner_job, start)
 
     def delete_snapshot(self, snapshot_id: str) -> None:
         self._rt.snapshots.delete(snapshot_id)
@@ -457,8 +260,8 @@ class SandboxHost:
         name = rec.config.get("labels", {}).get(NAME_LABEL)
         if name:
             labels[NAME_LABEL] = name
-        with self._lock:
-            if sandbox_id not in self._jobs:  # no owning job: it comes back detached
+        with self._here.lock:
+            if sandbox_id not in self._here.jobs:  # no owning job: it comes back detached
                 labels[DETACHED_LABEL] = "1"
         snap = self.snapshot(sandbox_id, labels=labels, detach=True)
         self.delete(sandbox_id)
@@ -472,23 +275,19 @@ class SandboxHost:
                 return snap
         return None
 
-    def list(self, labels: dict[str, str] | None = None) -> list[tuple[str, dict[str, str]]]:
-        out = []
-        stocked = self._stock.ids()
-        for sid in self._rt.list(labels=labels):
-            if sid in stocked:
-                continue
-            try:
-                out.append((sid, self._rt.record(sid).config.get("labels", {})))
-            except SandboxError:
-                continue
-        return out
+    def snapshot_filesystem(self, sandbox_id: str, max_bytes: int | None = None) -> str:
+        """The sandbox's files as an image; its reference works on any node."""
+        kw = {} if max_bytes is None else {"max_bytes": max_bytes}
+        return self._rt.snapshot_filesystem(sandbox_id, scope=self.node_id, **kw).ref
 
-    def config(self, sandbox_id: str) -> SandboxConfig:
-        """The sandbox's config as its caller gave it: our own labels taken out."""
-        cfg = self._rt.record(sandbox_id).sandbox_config
-        return cfg.model_copy(update={"labels": {k: v for k, v in cfg.labels.items()
-                                                 if not k.startswith("ray-sandbox/")}})
+    def delete_filesystem_image(self, ref: str) -> None:
+        self._stock.forget_image(ref)
+        self._rt.delete_filesystem_image(ref)
+
+    def filesystem_image_in_use(self, ref: str) -> bool:
+        """Whether a caller's sandbox runs from it: the stock's own copies give way."""
+        self._stock.forget_image(ref)
+        return self._rt.filesystem_image_in_use(ref)
 
     # --- the verbs of the table (runtime/verbs.py), dispatched generically ------------------
 
@@ -510,48 +309,10 @@ class SandboxHost:
             raise ConfigError(f"{verb} does not stream: call it through call()")
         yield from getattr(self._rt, row.method)(sandbox_id, row.request.of((request,)))
 
-    def _exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult:
-        t0 = time.perf_counter()
-        res = self._rt.exec(sandbox_id, request)
-        metrics.observe_exec(time.perf_counter() - t0)
-        return res
-
-    def _spawn(self, sandbox_id: str, request: SpawnRequest) -> tuple[str, int]:
-        """The process stays here; callers drive it by its key (:meth:`process`)."""
-        proc = self._rt.spawn(sandbox_id, request)
-        key = f"{sandbox_id}:{proc.pid}"
-        with self._lock:
-            self._procs[key] = proc
-        return key, proc.pid
-
-    def _status(self, sandbox_id: str, request: NoRequest) -> SandboxStatus:
-        with self._lock:
-            live = sandbox_id in self._pgs
-        if not live and self.find_suspended(sandbox_id) is not None:
-            return SandboxStatus(sandbox_id=sandbox_id, state=SandboxState.SUSPENDED)
-        return self._rt.get_status(sandbox_id, request)
-
-    def _resume(self, sandbox_id: str, request: NoRequest) -> None:
-        if self.find_suspended(sandbox_id) is not None:
-            raise SandboxStateError(
-                "sandbox is suspended: bring it back with ray_sandbox.resume(name or handle)",
-                sandbox_id=sandbox_id,
-            )
-        self._rt.resume(sandbox_id, request)
-
-    def _link(self, sandbox_id: str, request: LinkRequest) -> SandboxLink:
-        try:
-            return self._rt.link(sandbox_id, request)
-        except SandboxNotFoundError as exc:
-            if exc.sandbox_id != request.to:
-                raise
-            raise SandboxNotFoundError(f"{exc.message} on the node of {sandbox_id} (links join "
-                                       "sandboxes on one node)", sandbox_id=request.to) from None
-
     def process(self, key: str, op: str, *args: Any, **kw: Any) -> Any:
         """Drive a spawned process by its key: one of ``AgentProcess.OPS``."""
-        with self._lock:
-            proc = self._procs.get(key)
+        with self._here.lock:
+            proc = self._here.procs.get(key)
         if proc is None:
             raise SandboxNotFoundError(f"no such process {key}")
         if op not in AgentProcess.OPS:
@@ -559,41 +320,171 @@ class SandboxHost:
                               f"{', '.join(AgentProcess.OPS)}")
         result = getattr(proc, op)(*args, **kw)
         if op == "close":
-            with self._lock:
-                self._procs.pop(key, None)
+            with self._here.lock:
+                self._here.procs.pop(key, None)
         return result
 
     def processes(self, sandbox_id: str) -> list[tuple[str, int]]:
-        with self._lock:
-            return [(k, p.pid) for k, p in self._procs.items() if k.startswith(sandbox_id)]
+        with self._here.lock:
+            return [(k, p.pid) for k, p in self._here.procs.items()
+                    if k.startswith(sandbox_id)]
 
-    # --- transfers -------------------------------------------------------------------------
+    # --- transfers through the object store (actor/transfer.py) ----------------------------
 
-    def write_from_refs(self, sandbox_id: str, path: str, refs: list[ray.ObjectRef],
-                        mode: int) -> None:
-        """Write a file whose bytes arrive as object refs (fetched one at a time)."""
-        self._rt.write_file(sandbox_id, path, fetch(refs), mode=mode)
+    def read_out(self, kind: str, key: str, arg: Any = None) -> Iterator[bytes]:
+        """Bytes for another process or node, in ~4 MiB objects: a sandbox's ``file`` (key
+        = sandbox id, arg = ``(path, max_bytes)``: bounded here too, since Ray runs a
+        streaming generator to its end whether or not the caller still reads) or
+        ``archive`` (arg = its directory); a ``snapshot`` taken here (key = its id) or a
+        ``fs_image`` (key = its id), as tars."""
+        if kind == "file":
+            path, max_bytes = arg
+            yield from rechunk(self._rt.iter_read(key, path, max_bytes=max_bytes))
+        elif kind == "archive":
+            yield from rechunk(self._rt.get_archive(key, arg))
+        elif kind == "snapshot":
+            yield from self._rt.snapshots.export(key)
+        elif kind == "fs_image":
+            path = fs_image.layout(self.node_id, key, self._rt.home)
+            if not path.is_dir():
+                raise ImageNotFoundError(f"no filesystem image {key} on node {self.node_id}")
+            yield from rechunk(archive.pack_local(path))
+        else:
+            raise ConfigError(f"nothing to read out of kind {kind!r}")
 
-    def put_archive_from_refs(self, sandbox_id: str, remote_dir: str,
-                              refs: list[ray.ObjectRef]) -> None:
-        self._rt.put_archive(sandbox_id, remote_dir, fetch(refs))
+    def write_in(self, kind: str, sandbox_id: str, path: str, refs: list[ray.ObjectRef],
+                 mode: int = 0o644) -> None:
+        """Bytes that arrive as object refs (fetched one at a time) into the sandbox: a
+        ``file`` at ``path`` with ``mode``, or an ``archive`` unpacked in ``path``."""
+        if kind == "file":
+            self._rt.write_file(sandbox_id, path, fetch(refs), mode=mode)
+        elif kind == "archive":
+            self._rt.put_archive(sandbox_id, path, fetch(refs))
+        else:
+            raise ConfigError(f"nothing to write in of kind {kind!r}")
 
-    def read_stream(self, sandbox_id: str, path: str,
-                    max_bytes: int | None = None) -> Iterator[bytes]:
-        """The file in ~4 MiB objects; bounded here too, since Ray runs a streaming
-        generator to its end whether or not the caller still reads."""
-        yield from rechunk(self._rt.iter_read(sandbox_id, path, max_bytes=max_bytes))
 
-    def archive_stream(self, sandbox_id: str, remote_dir: str) -> Iterator[bytes]:
-        yield from rechunk(self._rt.get_archive(sandbox_id, remote_dir))
+# --- where this host adds to a verb, and its watch loop: functions of the host ------------
+
+
+def _exec(host: SandboxHost, sandbox_id: str, request: ExecRequest) -> ExecResult:
+    t0 = time.perf_counter()
+    res = host._rt.exec(sandbox_id, request)
+    metrics.observe_exec(time.perf_counter() - t0)
+    return res
+
+
+def _spawn(host: SandboxHost, sandbox_id: str, request: SpawnRequest) -> tuple[str, int]:
+    """The process stays here; callers drive it by its key (``SandboxHost.process``)."""
+    proc = host._rt.spawn(sandbox_id, request)
+    key = f"{sandbox_id}:{proc.pid}"
+    with host._here.lock:
+        host._here.procs[key] = proc
+    return key, proc.pid
+
+
+def _status(host: SandboxHost, sandbox_id: str, request: NoRequest) -> SandboxStatus:
+    with host._here.lock:
+        live = sandbox_id in host._here.pgs
+    if not live and host.find_suspended(sandbox_id) is not None:
+        return SandboxStatus(sandbox_id=sandbox_id, state=SandboxState.SUSPENDED)
+    return host._rt.get_status(sandbox_id, request)
+
+
+def _resume(host: SandboxHost, sandbox_id: str, request: NoRequest) -> None:
+    if host.find_suspended(sandbox_id) is not None:
+        raise SandboxStateError(
+            "sandbox is suspended: bring it back with ray_sandbox.resume(name or handle)",
+            sandbox_id=sandbox_id,
+        )
+    host._rt.resume(sandbox_id, request)
+
+
+def _link(host: SandboxHost, sandbox_id: str, request: LinkRequest) -> SandboxLink:
+    try:
+        return host._rt.link(sandbox_id, request)
+    except SandboxNotFoundError as exc:
+        if exc.sandbox_id != request.to:
+            raise
+        raise SandboxNotFoundError(f"{exc.message} on the node of {sandbox_id} (links join "
+                                   "sandboxes on one node)", sandbox_id=request.to) from None
 
 
 # Where this host adds to a verb (metrics, the processes it keeps, a suspended sandbox's
-# status, a clearer error), its own method answers instead of the runtime's.
+# status, a clearer error), its own function answers instead of the runtime's method.
 _OWN: dict[str, Callable[..., Any]] = {
-    "exec": SandboxHost._exec, "spawn": SandboxHost._spawn, "status": SandboxHost._status,
-    "resume": SandboxHost._resume, "link": SandboxHost._link,
+    "exec": _exec, "spawn": _spawn, "status": _status, "resume": _resume, "link": _link,
 }
+
+
+def _watch(host: SandboxHost) -> None:
+    """Ends sandboxes whose owner is gone and gives back idle blocks. Each second: one
+    job-table read for all of this node's sandboxes (a job's sandboxes die with it).
+    Every ``RAY_SANDBOX_PG_SWEEP_S`` seconds (60): each distinct reservation (removed
+    by hand, or a detached owner's) and the blocks of dead nodes. One GCS call per
+    sandbox per second would saturate the GCS at ~6-7k sandboxes (docs/scale.md)."""
+    here = host._here
+    every = _sweep_interval()
+    next_sweep = time.monotonic() + every
+    while True:
+        time.sleep(_WATCH_INTERVAL)
+        with here.lock:
+            items = list(here.pgs.items())
+            jobs = dict(here.jobs)
+        live = set(host._rt.list())
+        dead_jobs = _dead_jobs() if jobs else set()
+        gone: set[str] = set()
+        if time.monotonic() >= next_sweep:
+            next_sweep = time.monotonic() + every
+            gone = {pg for pg in {pg for _, pg in items} if pg_gone(pg)}
+            sweep_dead_nodes()
+        if _retire_if_idle(host):
+            return
+        host._blocks.shrink()
+        for sid, pg_hex in items:
+            if sid not in live:  # ended by its TTL or idle timeout
+                with here.lock:
+                    here.pgs.pop(sid, None)
+                    here.jobs.pop(sid, None)
+                here.release(pg_hex)
+            elif jobs.get(sid) in dead_jobs or pg_hex in gone:
+                log.info("the owner of %s is gone; deleting the sandbox", sid)
+                try:
+                    host.delete(sid)
+                except SandboxError:
+                    pass
+        for pg_hex in gone:  # a block removed by hand: its sandboxes went above
+            if host._blocks.owns(pg_hex):
+                host._blocks.drop(pg_hex)
+
+
+def _retire_if_idle(host: SandboxHost) -> bool:
+    """Leave once idle for the idle limit, so the node can be scaled down."""
+    here = host._here
+    busy = here.busy()
+    if not busy:
+        me = os.getpid()
+        busy = any(snap.owner_pid == me for snap in host._rt.snapshots.list())
+    now = time.monotonic()
+    if busy:
+        host._idle_since = now
+        return False
+    if now - host._idle_since < host._idle_limit:
+        return False
+    with here.lock:
+        if here.pgs or here.inflight:  # a create got in meanwhile
+            host._idle_since = now
+            return False
+        here.retiring = True
+    if host._channel is not None:
+        host._channel.close()
+    host._stock.close()
+    host._rt.close()  # the stock's deletes and every other teardown finish first
+    host._blocks.release_all()
+    log.info("idle for %.0fs: the sandbox host on %s retires", host._idle_limit, host.node_id)
+    ray.get_runtime_context().current_actor.__ray_terminate__.remote()
+    return True
+
 
 # Each kind of call has threads of its own, so no kind can take them all (docs/scale.md,
 # "A host's threads"): commands and file transfers, which last as long as the sandbox's
@@ -602,9 +493,8 @@ _OWN: dict[str, Callable[..., Any]] = {
 # threads: 1,088 sleeping execs in 17 sandboxes wedged every caller of the node for ~30 s
 # while all calls shared one pool of 1,024.
 # The table's verbs name their group at the call (``call.options(concurrency_group=...)``).
-WORK_METHODS = ("stream", "process", "write_from_refs", "put_archive_from_refs",
-                "read_stream", "archive_stream", "snapshot", "snapshot_filesystem",
-                "snapshot_stream", "fs_image_stream")
+WORK_METHODS = ("stream", "process", "read_out", "write_in", "snapshot",
+                "snapshot_filesystem")
 CREATE_METHODS = ("create", "create_many", "restore", "suspend")
 for _name in WORK_METHODS:
     setattr(SandboxHost, _name, ray.method(concurrency_group="work")(getattr(SandboxHost, _name)))

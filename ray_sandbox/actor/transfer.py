@@ -52,15 +52,15 @@ def upload_file(host: Any, sandbox_id: str, local: str | Path, remote: str) -> r
     mode = Path(local).stat().st_mode & 0o7777
     with open(local, "rb") as f:
         refs = put_chunks(iter(lambda: f.read(archive.TRANSFER_CHUNK), b""))
-    return host.write_from_refs.remote(sandbox_id, remote, refs, mode)
+    return host.write_in.remote("file", sandbox_id, remote, refs, mode)
 
 
 def download_file(host: Any, sandbox_id: str, remote: str, local: str | Path, *,
                   max_bytes: int | None = hostfs.DOWNLOAD_MAX) -> ray.ObjectRef:
     info = ray.get(host.call.options(concurrency_group="work").remote(
         "stat", sandbox_id, StatRequest(path=remote, follow_symlinks=True)))
-    gen = host.read_stream.options(num_returns="streaming").remote(sandbox_id, remote,
-                                                                  max_bytes)
+    gen = host.read_out.options(num_returns="streaming").remote("file", sandbox_id,
+                                                               (remote, max_bytes))
     chunks = hostfs.bounded(fetch(gen), max_bytes, remote, sandbox_id)
     hostfs.write_atomic(local, chunks, info.mode)
     return ray.put(None)
@@ -68,11 +68,12 @@ def download_file(host: Any, sandbox_id: str, remote: str, local: str | Path, *,
 
 def upload_dir(host: Any, sandbox_id: str, local: str | Path, remote: str) -> ray.ObjectRef:
     refs = put_chunks(archive.pack_local(Path(local)))
-    return host.put_archive_from_refs.remote(sandbox_id, remote, refs)
+    return host.write_in.remote("archive", sandbox_id, remote, refs)
 
 
 def download_dir(host: Any, sandbox_id: str, remote: str, local: str | Path) -> ray.ObjectRef:
-    gen = host.archive_stream.options(num_returns="streaming").remote(sandbox_id, remote)
+    gen = host.read_out.options(num_returns="streaming").remote("archive", sandbox_id,
+                                                               remote)
     archive.extract_local(fetch(gen), Path(local))
     return ray.put(None)
 
@@ -100,8 +101,8 @@ class SnapshotImports:
             if self._rt.snapshots.has(snap.snapshot_id):
                 return
             source = host_of(snap.node_id)
-            gen = source.snapshot_stream.options(num_returns="streaming").remote(
-                snap.snapshot_id)
+            gen = source.read_out.options(num_returns="streaming").remote(
+                "snapshot", snap.snapshot_id)
             self._rt.snapshots.import_(fetch(gen))
 
 
@@ -136,7 +137,8 @@ class ImageImports:
         dest.parent.mkdir(parents=True, exist_ok=True)
         part = dest.with_name(f".{image_id}.{secrets.token_hex(4)}.part")
         try:
-            gen = host_of(node).fs_image_stream.options(num_returns="streaming").remote(image_id)
+            gen = host_of(node).read_out.options(num_returns="streaming").remote(
+                "fs_image", image_id)
             archive.extract_local(fetch(gen), part)
             os.replace(part, dest)
         except (ray.exceptions.RayError, OSError) as exc:

@@ -528,14 +528,6 @@ class Sandboxes:
 
     # --- execs -----------------------------------------------------------------------------
 
-    def _capped(self, request: ExecRequest) -> ExecRequest:
-        """The request within the service's bounds (its exec timeout, its output kept)."""
-        cap = self._config.max_exec_timeout
-        return request.model_copy(update={
-            "timeout": min(request.timeout or cap, cap),
-            "max_output_bytes": min(request.max_output_bytes or self._config.max_output_bytes,
-                                    self._config.max_output_bytes)})
-
     async def start_exec(self, entry: Entry, request: ExecRequest) -> Exec:
         """Start a command; its result is kept among the sandbox's last
         ``max_execs_per_sandbox`` in the books (the oldest finished one is evicted, never a
@@ -546,7 +538,7 @@ class Sandboxes:
                 raise _errors.refusal(429, f"{len(entry.execs)} execs are running in this "
                                            "sandbox, its limit; wait for one to finish")
             del entry.execs[done]
-        request = self._capped(request)
+        request = capped(request, self._config)
         exec_id = secrets.token_hex(8)
         reason = await self._state("exec_started", entry.tenant, entry.api_id, exec_id,
                                    request.timeout)
@@ -630,7 +622,7 @@ class Sandboxes:
         """Start a streamed exec; returns its NDJSON lines (``_streams``). Its process key
         goes to the books, so a signal or cancel landing on another replica reaches it."""
         self._take_stream()
-        request = self._capped(request)
+        request = capped(request, self._config)
         try:
             stream = await _streams.start(entry.handle, self.call, request)
         except BaseException:
@@ -694,6 +686,15 @@ def _consume(fut: asyncio.Future[Any]) -> None:
     # a result nobody polled must not log "exception was never retrieved"
     if not fut.cancelled():
         fut.exception()
+
+
+def capped(request: ExecRequest, config: ServiceConfig) -> ExecRequest:
+    """The request within the service's bounds (its exec timeout, its output kept)."""
+    cap = config.max_exec_timeout
+    return request.model_copy(update={
+        "timeout": min(request.timeout or cap, cap),
+        "max_output_bytes": min(request.max_output_bytes or config.max_output_bytes,
+                                config.max_output_bytes)})
 
 
 def exec_info(ex: Exec) -> ExecInfo:

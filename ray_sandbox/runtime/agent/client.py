@@ -129,6 +129,11 @@ class _Budget:
         self._left += nbytes / self._client.min_rate - (time.monotonic() - self._t0)
 
 
+def _mode(mode: object, sandbox_id: str | None) -> int:
+    """Any st_mode is accepted: only the permission bits go over the wire."""
+    return check_int(mode, "mode", sandbox_id) & 0o7777
+
+
 class AgentClient:
     """Talks to one sandbox's agent over its unix socket. Thread-safe.
 
@@ -599,7 +604,7 @@ class AgentClient:
         ``min_rate`` on average."""
         fields: list[p.Field] = [
             (p.Tag.PATH, _sandbox_path(path, self.sandbox_id)),
-            (p.Tag.MODE, self._mode(mode)),
+            (p.Tag.MODE, _mode(mode, self.sandbox_id)),
             (p.Tag.APPEND, int(append)),
             (p.Tag.PARENTS, int(parents)),
         ]
@@ -626,10 +631,6 @@ class AgentClient:
                 self._checkin(conn)
             else:
                 conn.close()  # mid-upload: the agent drops its temp file
-
-    def _mode(self, mode: object) -> int:
-        # Any st_mode is accepted: only the permission bits go over the wire.
-        return check_int(mode, "mode", self.sandbox_id) & 0o7777
 
     def stat(self, path: PathArg, *, follow_symlinks: bool = False) -> FileInfo:
         raw = _sandbox_path(path, self.sandbox_id)
@@ -677,7 +678,8 @@ class AgentClient:
         raw = _sandbox_path(path, self.sandbox_id)
         self._simple(
             p.Op.MKDIR,
-            [(p.Tag.PATH, raw), (p.Tag.MODE, self._mode(mode)), (p.Tag.PARENTS, int(parents))],
+            [(p.Tag.PATH, raw), (p.Tag.MODE, _mode(mode, self.sandbox_id)),
+             (p.Tag.PARENTS, int(parents))],
         )
 
     def remove(self, path: PathArg, *, recursive: bool = False) -> None:
@@ -693,7 +695,7 @@ class AgentClient:
 
     def chmod(self, path: PathArg, mode: int) -> None:
         raw = _sandbox_path(path, self.sandbox_id)
-        self._simple(p.Op.CHMOD, [(p.Tag.PATH, raw), (p.Tag.MODE, self._mode(mode))])
+        self._simple(p.Op.CHMOD, [(p.Tag.PATH, raw), (p.Tag.MODE, _mode(mode, self.sandbox_id))])
 
     def rename(self, src: PathArg, dst: PathArg) -> None:
         a = _sandbox_path(src, self.sandbox_id)
