@@ -217,7 +217,7 @@ async def _refuse(send: Send, status: int, message: str) -> None:
 
 def build_app(config: ServiceConfig, sandboxes: Sandboxes | None = None) -> Any:
     """The ASGI app of one replica over ``sandboxes`` (by default with books of its own:
-    one replica)."""
+    one replica): the routes of each resource, behind the guard."""
     sandboxes = sandboxes or Sandboxes(config, connect(config, None))
     proxy = _ports.Proxy(config)
 
@@ -230,15 +230,25 @@ def build_app(config: ServiceConfig, sandboxes: Sandboxes | None = None) -> Any:
     app = FastAPI(title="ray_sandbox", version="1", openapi_url=f"{PREFIX}/openapi.json",
                   docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.sandboxes = sandboxes
+    app.state.proxy = proxy
     _errors.install(app)
-
-    def tenant(request: Request) -> str:
-        return request.state.tenant
 
     @app.get(f"{PREFIX}/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
+    for routes in (_sandbox_routes, _exec_routes, _file_routes, _port_routes, _link_routes,
+                   _kept_routes, _volume_routes, _terminal_routes):
+        routes(app, sandboxes, config)
+    return Guard(app, config, sandboxes.replica)
+
+
+def tenant(request: Request) -> str:
+    return request.state.tenant
+
+
+def _sandbox_routes(app: FastAPI, sandboxes: Sandboxes, config: ServiceConfig) -> None:
+    """Create, list, look at and delete the tenant's sandboxes."""
     @app.post(f"{PREFIX}/sandboxes", status_code=202)
     async def create_sandbox(request: Request, body: CreateSandbox) -> Created:
         entry = await sandboxes.create(tenant(request), body)
@@ -268,6 +278,8 @@ def build_app(config: ServiceConfig, sandboxes: Sandboxes | None = None) -> Any:
         await sandboxes.delete(tenant(request), sandbox_id)
         return Deleted(sandbox_id=sandbox_id)
 
+def _exec_routes(app: FastAPI, sandboxes: Sandboxes, config: ServiceConfig) -> None:
+    """Commands: run (long-polled), stream, signal, cancel."""
     @app.post(f"{PREFIX}/sandboxes/{{sandbox_id}}/execs", status_code=202,
               response_model=ExecCreated, responses={200: {"model": ExecInfo}})
     async def create_exec(request: Request, sandbox_id: str, body: CreateExec,
@@ -310,6 +322,26 @@ def build_app(config: ServiceConfig, sandboxes: Sandboxes | None = None) -> Any:
         await sandboxes.signal_exec(entry, exec_id, body.signal)
         return {"exec_id": exec_id, "status": "signalled"}
 
+def _file_routes(app: FastAPI, sandboxes: Sandboxes, config: ServiceConfig) -> None:
+    """Files and directories in and out (raw bodies, tar streams)."""
+    @app.put(f"{PREFIX}/sandboxes/{{sandbox_id}}/files", status_code=204,
+             openapi_extra={"requestBody": {"content": {"application/octet-stream": {}}}})
+    async def put_file(request: Request, sandbox_id: str, path: Path) -> Response:
+        where = _path(path)
+        entry = await sandboxes.running(tenant(request), sandbox_id)
+        data = await request.body()  # bounded by the guard
+        await sandboxes.call(entry.handle.write_file.remote(where, data))
+        return Response(status_code=204)
+
+    @app.get(f"{PREFIX}/sandboxes/{{sandbox_id}}/files",
+             responses={200: {"content": {"application/octet-stream": {}}}})
+    async def get_file(request: Request, sandbox_id: str, path: Path) -> Response:
+        where = _path(path)
+        entry = await sandboxes.running(tenant(request), sandbox_id)
+        data = await sandboxes.call(entry.handle.read_file.remote(
+            where, max_bytes=config.max_file_bytes))
+        return Response(data, media_type="application/octet-stream")
+
     @app.put(f"{PREFIX}/sandboxes/{{sandbox_id}}/archive", status_code=204,
              openapi_extra={"requestBody": {"content": {"application/x-tar": {}}}})
     async def put_archive(request: Request, sandbox_id: str, path: Path) -> Response:
@@ -329,6 +361,8 @@ def build_app(config: ServiceConfig, sandboxes: Sandboxes | None = None) -> Any:
                                         config.max_file_bytes)
         return Response(data, media_type="application/x-tar")
 
+def _port_routes(app: FastAPI, sandboxes: Sandboxes, config: ServiceConfig) -> None:
+    """Signed URLs to published ports, and the proxy behind them."""
     @app.post(f"{PREFIX}/sandboxes/{{sandbox_id}}/ports/{{port}}/url")
     async def port_url(request: Request, sandbox_id: str, port: int,
                        body: PortUrl) -> dict[str, Any]:
@@ -347,8 +381,10 @@ def build_app(config: ServiceConfig, sandboxes: Sandboxes | None = None) -> Any:
             node = (await sandboxes.alive(claims["tenant"], sandbox_id)).handle.node_id
         else:  # signed for a Ray caller (_ports.ray_port_url)
             node = await sandboxes.ray_alive(sandbox_id, claims["node"])
-        return await proxy.forward(request, node, port, path)
+        return await app.state.proxy.forward(request, node, port, path)
 
+def _link_routes(app: FastAPI, sandboxes: Sandboxes, config: ServiceConfig) -> None:
+    """Links between two sandboxes of one tenant."""
     @app.post(f"{PREFIX}/sandboxes/{{sandbox_id}}/links")
     async def link(request: Request, sandbox_id: str, body: CreateLink) -> LinkInfo:
         """Let this sandbox reach one port of another of the tenant's (docs/network.md)."""
@@ -361,6 +397,8 @@ def build_app(config: ServiceConfig, sandboxes: Sandboxes | None = None) -> Any:
         await sandboxes.unlink(entry, to, port)
         return {"to": to, "status": "unlinked"}
 
+def _kept_routes(app: FastAPI, sandboxes: Sandboxes, config: ServiceConfig) -> None:
+    """What a tenant keeps: snapshots and filesystem images, and copies."""
     def copies(body: Copies) -> int:
         if body.count > config.max_copies:
             raise _errors.refusal(400, f"at most {config.max_copies} copies at once")
@@ -372,19 +410,6 @@ def build_app(config: ServiceConfig, sandboxes: Sandboxes | None = None) -> Any:
         entry = await sandboxes.running(tenant(request), sandbox_id)
         return {"snapshot_id": await sandboxes.kept.snapshot(entry.tenant, entry.handle,
                                                             entry.source())}
-
-    @app.post(f"{PREFIX}/volumes", status_code=201)
-    async def create_volume(request: Request, body: CreateVolume) -> VolumeInfo:
-        return await sandboxes.volumes.create(tenant(request), body.name, body.size)
-
-    @app.get(f"{PREFIX}/volumes")
-    async def list_volumes(request: Request) -> dict[str, list[VolumeInfo]]:
-        return {"volumes": await sandboxes.volumes.list(tenant(request))}
-
-    @app.delete(f"{PREFIX}/volumes/{{name}}")
-    async def delete_volume(request: Request, name: str) -> dict[str, str]:
-        await sandboxes.volumes.delete(tenant(request), name)
-        return {"name": name, "status": "deleted"}
 
     @app.post(f"{PREFIX}/sandboxes/{{sandbox_id}}/filesystem-image", status_code=201)
     async def filesystem_image(request: Request, sandbox_id: str) -> dict[str, str]:
@@ -424,6 +449,23 @@ def build_app(config: ServiceConfig, sandboxes: Sandboxes | None = None) -> Any:
         entry = await sandboxes.running(tenant(request), sandbox_id)
         return {"sandboxes": await sandboxes.fork(entry, copies(body))}
 
+def _volume_routes(app: FastAPI, sandboxes: Sandboxes, config: ServiceConfig) -> None:
+    """The tenant's named volumes."""
+    @app.post(f"{PREFIX}/volumes", status_code=201)
+    async def create_volume(request: Request, body: CreateVolume) -> VolumeInfo:
+        return await sandboxes.volumes.create(tenant(request), body.name, body.size)
+
+    @app.get(f"{PREFIX}/volumes")
+    async def list_volumes(request: Request) -> dict[str, list[VolumeInfo]]:
+        return {"volumes": await sandboxes.volumes.list(tenant(request))}
+
+    @app.delete(f"{PREFIX}/volumes/{{name}}")
+    async def delete_volume(request: Request, name: str) -> dict[str, str]:
+        await sandboxes.volumes.delete(tenant(request), name)
+        return {"name": name, "status": "deleted"}
+
+def _terminal_routes(app: FastAPI, sandboxes: Sandboxes, config: ServiceConfig) -> None:
+    """An interactive terminal over a WebSocket."""
     @app.websocket(f"{PREFIX}/sandboxes/{{sandbox_id}}/pty")
     async def pty(ws: WebSocket, sandbox_id: str, command: str = "/bin/sh",
                   rows: Annotated[int, Query(ge=1, le=1000)] = 24,
@@ -437,25 +479,6 @@ def build_app(config: ServiceConfig, sandboxes: Sandboxes | None = None) -> Any:
             return
         await sandboxes.terminal(ws, entry, command, rows, cols)
 
-    @app.put(f"{PREFIX}/sandboxes/{{sandbox_id}}/files", status_code=204,
-             openapi_extra={"requestBody": {"content": {"application/octet-stream": {}}}})
-    async def put_file(request: Request, sandbox_id: str, path: Path) -> Response:
-        where = _path(path)
-        entry = await sandboxes.running(tenant(request), sandbox_id)
-        data = await request.body()  # bounded by the guard
-        await sandboxes.call(entry.handle.write_file.remote(where, data))
-        return Response(status_code=204)
-
-    @app.get(f"{PREFIX}/sandboxes/{{sandbox_id}}/files",
-             responses={200: {"content": {"application/octet-stream": {}}}})
-    async def get_file(request: Request, sandbox_id: str, path: Path) -> Response:
-        where = _path(path)
-        entry = await sandboxes.running(tenant(request), sandbox_id)
-        data = await sandboxes.call(entry.handle.read_file.remote(
-            where, max_bytes=config.max_file_bytes))
-        return Response(data, media_type="application/octet-stream")
-
-    return Guard(app, config, sandboxes.replica)
 
 
 def _path(path: str) -> str:
