@@ -173,6 +173,32 @@ def test_sandbox_mode_exposed_port_answers_on_the_node(sandboxes: Sandboxes, ups
         assert _get(upstream.node, "127.0.0.1", 8080) == b"hello-from-sandbox\n"
 
 
+@pytest.mark.parametrize("mode", ["public", "sandbox"])
+def test_a_published_port_cannot_be_taken_by_a_node_service(sandboxes: Sandboxes, upstream,
+                                                             mode: str) -> None:
+    """sandbox mode publishes by DNAT, which binds nothing: a node service bound the port
+    afterwards without error, and its local clients reached the sandbox instead."""
+    port = free_port()
+
+    def bind() -> str:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+                s.listen(1)
+            except OSError as exc:
+                return exc.strerror or str(exc)
+            return "bound"
+
+    netns = upstream.node  # both publish in the upstream (the stand-in node)
+    extra = {"dns": TEST_DNS} if mode == "sandbox" else {}
+    with sandboxes.run(make_config(network=mode, expose_ports=(port,), **extra)) as box:
+        _listen_in_sandbox(box, port)
+        assert _netns.run_in(netns, bind) == "Address already in use"
+        assert _get(netns, "127.0.0.1", port) == b"hello-from-sandbox\n"
+    _until(lambda: _netns.run_in(netns, bind) == "bound")  # freed with the sandbox
+
+
 def test_sandbox_cannot_touch_its_network(sandboxes: Sandboxes, upstream) -> None:
     """In public mode the sentry uses host sockets in the sandbox's netns; it still cannot
     reconfigure that netns: the sentry holds no capability over it."""

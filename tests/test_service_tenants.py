@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from ray_sandbox.service._policy import TenantPolicy
-from tests.fx_service import Service, wait_exec, wait_running
+from tests.fx_service import TOKENS, Service, wait_exec, wait_running
 
 BUSYBOX = "ray-sandbox/busybox"
 SERVICE_QUOTAS = ("bob:sandboxes=4,cpu=2,memory=2Gi",)
@@ -111,10 +111,10 @@ def test_one_tenants_long_polls_leave_the_other_served(service: Service):
         sid = create(c)
         slow = c.post(f"/sandboxes/{sid}/execs", json={"command": "sleep 20"}).json()
 
-        def poll(_: int) -> int:
-            with service.client() as own:
-                return own.get(f"/sandboxes/{sid}/execs/{slow['exec_id']}",
-                               params={"wait_seconds": 5}).status_code
+        def poll(i: int) -> int:
+            with service.client() as own:  # half spell the key %-encoded: the same key
+                key = "wait_seconds" if i % 2 else "wait%5Fseconds"
+                return own.get(f"/sandboxes/{sid}/execs/{slow['exec_id']}?{key}=5").status_code
 
         with ThreadPoolExecutor(20) as pool:
             polls = pool.map(poll, range(20))
@@ -145,8 +145,16 @@ def test_creates_waiting_on_a_pull_hold_neither_the_threads_nor_the_other_tenant
     try:
         with service.client() as c, service.client("bob") as b:
             body = {"image": f"{HANG_REGISTRY}/never:1", "cpu": 0.1, "memory": "64Mi"}
-            ids = [c.post("/sandboxes", json=body).json()["sandbox_id"] for _ in range(2)]
-            msg = refusal(c.post("/sandboxes", json=body), 429)
+
+            def post(_: int) -> httpx.Response:
+                with service.client() as own:
+                    return own.post("/sandboxes", json=body)
+
+            with ThreadPoolExecutor(12) as pool:  # at once: all of them passed the check
+                answers = list(pool.map(post, range(12)))
+            ids = [r.json()["sandbox_id"] for r in answers if r.status_code == 202]
+            assert len(ids) == 2, [r.status_code for r in answers]
+            msg = refusal(next(r for r in answers if r.status_code != 202), 429)
             assert "max_pending_creates" in msg
             assert b.get("/sandboxes", timeout=5).status_code == 200
             sid = create(b)  # the other tenant's create does not wait behind them
@@ -207,3 +215,62 @@ def test_malformed_requests_are_refused_at_the_boundary(service: Service):
         assert r.status_code == 431, r.text
         assert run(c, sid, "echo fine")["stdout"] == "fine\n"  # and it keeps serving
         c.delete(f"/sandboxes/{sid}")
+
+
+def test_port_url_traffic_counts_against_its_tenant(service: Service):
+    """Requests to a port URL counted against no tenant: 60 to a port that never answers
+    made the other tenant's GET time out. They are its tenant's requests now."""
+    port = 18081
+    with service.client() as c, service.client("bob") as b:
+        sid = create(c, network="public", expose_ports=[port])
+        # a listener that accepts and never answers
+        r = c.post(f"/sandboxes/{sid}/execs", json={"command": f"nc -lk -p {port} >/dev/null"})
+        assert r.status_code == 202, r.text
+        url = c.post(f"/sandboxes/{sid}/ports/{port}/url", json={}).json()["url"]
+
+        def hit(_: int) -> int:
+            try:
+                return httpx.get(url, timeout=8).status_code
+            except httpx.TimeoutException:
+                return 0
+
+        with ThreadPoolExecutor(24) as pool:
+            codes = pool.map(hit, range(24))
+            time.sleep(0.5)  # the requests are in and hang: the other tenant is served
+            assert b.get("/sandboxes", timeout=4).status_code == 200
+            codes = sorted(codes)
+        assert codes.count(429) >= 24 - 8, codes
+        c.delete(f"/sandboxes/{sid}")
+
+
+def test_terminals_count_among_a_tenants_running_execs(service: Service):
+    """Terminals escaped every per-tenant bound: 8 of one tenant took every stream of the
+    replica. They are its running execs now (6 here), and the other tenant is served."""
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    ws_url = service.url.replace("http://", "ws://")
+    auth = {"Authorization": f"Bearer {TOKENS['alice']}"}
+    with service.client() as c, service.client("bob") as b:
+        sid = create(c)
+        theirs = create(b)
+        opened, refused_code = [], None
+        try:
+            for _ in range(8):
+                ws = connect(f"{ws_url}/sandboxes/{sid}/pty", additional_headers=auth)
+                try:
+                    ws.send(b"echo up\n")
+                    while b"up" not in ws.recv(timeout=30):
+                        pass
+                    opened.append(ws)
+                except ConnectionClosed as exc:
+                    refused_code = exc.rcvd.code if exc.rcvd else None
+                    ws.close()
+                    break
+            assert len(opened) == 6 and refused_code == 4429, (len(opened), refused_code)
+            assert run(b, theirs, "echo served")["stdout"] == "served\n"
+        finally:
+            for ws in opened:
+                ws.close()
+        c.delete(f"/sandboxes/{sid}")
+        b.delete(f"/sandboxes/{theirs}")

@@ -10,6 +10,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
+from urllib.parse import parse_qsl
 
 from fastapi import FastAPI, Query, Request, Response, WebSocket
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -46,6 +47,7 @@ PORTS = f"{PREFIX}/ports/"  # authorized by the signed token in the path (_ports
 MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 # which replica answered: the same answers come from any of them, this tells them apart
 REPLICA_HEADER = b"x-ray-sandbox-replica"
+RAY_CALLERS = "(ray callers)"  # whose share port URLs signed for Ray callers count against
 
 # Route parameters live here: the routes' annotations are strings resolved in this module.
 Wait = Annotated[float, Query(ge=0, description="long-poll seconds (capped by the service)")]
@@ -109,22 +111,37 @@ class Guard:
                                          "token")
                 return
         scope.setdefault("state", {})["tenant"] = tenant
-        share = self._share(tenant, scope)
+        payer = tenant if tenant is not None else self._port_payer(scope["path"])
+        share = self._share(payer, scope)
         if isinstance(share, str):
             await _refuse(send, 429, share)
             return
         try:
             await self._bounded(scope, receive, send, tenant, headers)
         finally:
-            self._release(tenant, share)
+            self._release(payer, share)
+
+    def _port_payer(self, path: str) -> str | None:
+        """Whose share a request to a port URL counts against: the tenant its token names
+        (or every Ray caller's together); None for a URL that is no port URL or does not
+        verify (the route refuses it)."""
+        parts = path[len(PORTS):].split("/", 3) if path.startswith(PORTS) else []
+        if len(parts) < 3 or not parts[1].isdigit():
+            return None
+        try:
+            claims = _ports.claims_for(self._config, parts[0], int(parts[1]), parts[2])
+        except _errors.HTTPException:
+            return None
+        return str(claims.get("tenant", RAY_CALLERS))
 
     def _share(self, tenant: str | None, scope: Scope) -> bool | str:
         """Count the request against its tenant's share of this replica: whether it is a
         long poll, or why it is refused (one tenant's flood must not starve the others)."""
         if tenant is None:
             return False
-        waits = any(k == b"wait_seconds" and v not in (b"", b"0", b"0.0") for k, _, v in
-                    (p.partition(b"=") for p in scope.get("query_string", b"").split(b"&")))
+        query = scope.get("query_string", b"").decode("latin-1")
+        waits = any(k == "wait_seconds" and v.strip() not in ("", "0", "0.0")
+                    for k, v in parse_qsl(query, keep_blank_values=True))
         if self._inflight.get(tenant, 0) >= self._config.max_requests_per_tenant:
             return (f"{self._inflight[tenant]} requests of this tenant are in flight, its "
                     "limit (max_requests_per_tenant)")
@@ -202,7 +219,16 @@ class Guard:
             await send({"type": "websocket.close", "code": 4401, "reason": "unauthorized"})
             return
         scope.setdefault("state", {})["tenant"] = tenant
-        await self._app(scope, receive, send)
+        share = self._share(tenant, scope)
+        if isinstance(share, str):  # a terminal holds a request of its tenant's share
+            await receive()
+            await send({"type": "websocket.accept"})
+            await send({"type": "websocket.close", "code": 4429, "reason": share[:120]})
+            return
+        try:
+            await self._app(scope, receive, send)
+        finally:
+            self._release(tenant, share)
 
 
 async def _refuse(send: Send, status: int, message: str) -> None:

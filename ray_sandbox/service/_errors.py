@@ -73,7 +73,10 @@ def install(app: FastAPI) -> None:
         status = status_of(exc)
         if status >= 500:
             log.warning("request failed: %s", exc)
-        return JSONResponse(body(code_of(exc), exc.message), status)
+        message = exc.message
+        if isinstance(exc, e.CapacityError):  # it lists the cluster's resources: not theirs
+            message = "no room in the cluster for this now; retry later or ask for less"
+        return JSONResponse(body(code_of(exc), message), status)
 
     async def http_error(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, HTTPException)

@@ -18,9 +18,9 @@ from __future__ import annotations
 import ipaddress
 import json
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -71,6 +71,9 @@ class TenantPolicy(BaseModel):
     max_ttl_seconds: float | None = Field(None, gt=0, description="longest life; also the "
                                           "default when the tenant gives none")
     max_ports: int = Field(16, ge=0, description="published ports of one sandbox")
+    port_range: tuple[int, int] = Field(
+        (1024, 65535), description="ports a sandbox may publish on its node (a published "
+        "port is the node's: below 1024 it would stand in for the node's own services)")
     dns: tuple[str, ...] = Field((), description="resolvers a tenant may name in dns=")
     egress_cidrs: tuple[str, ...] = Field(
         (), description="non-public ranges a tenant may allow in egress.allow_cidrs")
@@ -163,12 +166,20 @@ def ray_node_addresses() -> list[str]:
     return [a for a in out if a]
 
 
+# Besides the runtime's never and private tiers: ranges that lead elsewhere than they seem
+# (IPv4 inside IPv6: mapped, NAT64, 6to4, Teredo) or that are reserved for networks of their
+# own (benchmarking 198.18/15, IETF protocol assignments, documentation).
+TENANT_NEVER = ("::ffff:0:0/96", "64:ff9b::/96", "64:ff9b:1::/48", "2002::/16", "2001::/32",
+                "198.18.0.0/15", "192.0.0.0/24", "192.0.2.0/24", "198.51.100.0/24",
+                "203.0.113.0/24")
+
+
 def _special(addr: str, nodes: Iterable[str]) -> bool:
     """Loopback, link-local, private, multicast, reserved, unspecified, or a node's."""
     ip = ipaddress.ip_address(addr)
     if getattr(ip, "ipv4_mapped", None):
         ip = ip.ipv4_mapped  # type: ignore[union-attr]
-    nets = [ipaddress.ip_network(c) for c in (*NEVER, *PRIVATE)]
+    nets = [ipaddress.ip_network(c) for c in (*NEVER, *PRIVATE, *TENANT_NEVER)]
     return any(ip in n for n in nets if n.version == ip.version) or str(ip) in set(nodes)
 
 
@@ -182,32 +193,44 @@ def _is_address(host: str) -> bool:
 
 def _overlaps_special(cidr: str, nodes: Iterable[str]) -> bool:
     net = ipaddress.ip_network(cidr, strict=False)
-    for c in (*NEVER, *PRIVATE, *nodes):
+    for c in (*NEVER, *PRIVATE, *TENANT_NEVER, *nodes):
         other = ipaddress.ip_network(c, strict=False)
         if other.version == net.version and net.overlaps(other):
             return True
     return False
 
 
-_resolver = ThreadPoolExecutor(max_workers=4, thread_name_prefix="rsb-resolve")
+_LOOKUPS = threading.BoundedSemaphore(64)  # name lookups at once, over every tenant
 
 
 def resolve(host: str, timeout: float = RESOLVE_TIMEOUT) -> list[str]:
     """``host``'s addresses (an address is itself); [] if it does not resolve. A lookup
-    that takes longer than ``timeout`` raises TimeoutError (the thread finishes on its own;
-    at most four run at once)."""
+    that takes longer than ``timeout`` (counted from its own start, never from a queue)
+    raises TimeoutError; its thread finishes on its own, holding one of 64 places, and a
+    lookup that finds none free is a TimeoutError at once. A tenant has at most its
+    pending creates' worth of lookups in flight (``max_pending_creates``)."""
     try:
         return [str(ipaddress.ip_address(host))]
     except ValueError:
         pass
+    if not _LOOKUPS.acquire(blocking=False):
+        raise TimeoutError("every name lookup place is taken")
+    found: list[str] = []
+    done = threading.Event()
 
-    def lookup() -> list[str]:
+    def lookup() -> None:
         try:
-            return sorted({str(a[4][0]) for a in socket.getaddrinfo(host, None)})
+            found.extend(sorted({str(a[4][0]) for a in socket.getaddrinfo(host, None)}))
         except OSError:
-            return []
+            pass
+        finally:
+            done.set()
+            _LOOKUPS.release()
 
-    return _resolver.submit(lookup).result(timeout=timeout)
+    threading.Thread(target=lookup, name="rsb-resolve", daemon=True).start()
+    if not done.wait(timeout):
+        raise TimeoutError(f"{host} did not resolve within {timeout:g} s")
+    return found
 
 
 # --- the rules ------------------------------------------------------------------------------
@@ -256,7 +279,8 @@ def _image(a: Ask) -> None:
             addrs = [str(ipaddress.ip_address(host))] if _is_address(host) else a.resolve(host)
         except TimeoutError:
             raise Refused("image", f"registry {ref.registry!r} did not resolve within "
-                                   f"{RESOLVE_TIMEOUT:g} s") from None
+                                   f"{RESOLVE_TIMEOUT:g} s, or too many lookups are under "
+                                   "way; retry") from None
         # the same answer whatever listens there: never a port scanner of the node's side
         if host == "localhost" or any(_special(x, a.nodes) for x in addrs):
             raise Refused("image", f"registry {ref.registry!r} is on a loopback, private, "
@@ -348,9 +372,14 @@ def _egress(a: Ask) -> None:
 
 
 def _ports(a: Ask) -> None:
-    """at most max_ports"""
+    """at most max_ports, each within port_range (1024-65535)"""
     if len(a.config.expose_ports) > a.policy.max_ports:
         raise Refused("expose_ports", f"at most {a.policy.max_ports} ports (max_ports)")
+    lo, hi = a.policy.port_range
+    outside = [p for p in a.config.expose_ports if not lo <= p <= hi]
+    if outside:
+        raise Refused("expose_ports", f"{', '.join(map(str, outside))} outside {lo}-{hi} "
+                                      "(port_range)")
 
 
 def _ttl(a: Ask) -> None:

@@ -34,7 +34,7 @@ from .. import actor
 from ..actor.hosts import host_for_node
 from ..actor.placement import node_alive
 from ..runtime.config import SandboxConfig
-from ..runtime.errors import SandboxError, SandboxNotFoundError
+from ..runtime.errors import CapacityError, SandboxError, SandboxNotFoundError
 from ..runtime.results import ExecResult, SandboxState
 from ..runtime.verbs import ExecRequest, NoRequest
 from . import _errors, _policy, _pty, _streams
@@ -126,6 +126,7 @@ class Sandboxes:
         self.kept = TenantKept(config, state, self._blocking, self._track)
         self._nodes_seen: dict[str, float] = {}  # node id -> when last seen alive
         self._nodes = Nodes(ray_node_addresses)  # what tenants' sandboxes never reach
+        self._pending: dict[str, int] = {}  # tenant -> creates and copies being made here
 
     async def _blocking(self, fn: Any, *args: Any) -> Any:
         return await anyio.to_thread.run_sync(fn, *args, limiter=self._threads)
@@ -287,8 +288,18 @@ class Sandboxes:
     async def create(self, tenant: str, body: SandboxConfig) -> Entry:
         """Start a create of what the tenant asked (held to its policy) and return its
         entry (status pending) without waiting for it."""
+        self._hold_pending(tenant)  # before any await: concurrent creates count at once
+        try:
+            entry = await self._start_create(tenant, body)
+        except BaseException:
+            self._drop_pending(tenant)
+            raise
+        assert entry.creating is not None
+        entry.creating.add_done_callback(lambda _: self._drop_pending(tenant))
+        return entry
+
+    async def _start_create(self, tenant: str, body: SandboxConfig) -> Entry:
         await self._adopt()
-        self._check_pending(tenant)
         # only what the tenant set: the Ray layer's defaults and its policy fill the rest
         given = body.model_dump(exclude_unset=True, exclude={"spec_transform"})
         if given.get("volumes"):  # the tenant's own, by the names it gave them
@@ -324,14 +335,20 @@ class Sandboxes:
                              lambda options: actor.make_template(**options),
                              self._nodes.known())
 
-    def _check_pending(self, tenant: str) -> None:
-        """A tenant's creates still waiting for room (or an image) each hold a thread; past
-        ``max_pending_creates`` it is told to wait, and cannot hold every thread."""
-        pending = sum(1 for e in self._entries.values() if e.tenant == tenant
-                      and e.creating is not None and not e.creating.done())
+    def _hold_pending(self, tenant: str) -> None:
+        """A tenant's creates and copies still waiting for room (or an image) each hold a
+        thread; past ``max_pending_creates`` it is told to wait, and cannot hold them all.
+        Taken before the first await, so concurrent requests cannot all pass the check."""
+        pending = self._pending.get(tenant, 0)
         if pending >= self._config.max_pending_creates:
             raise _errors.refusal(429, f"{pending} creates of this tenant are still being "
                                        f"made, the limit (max_pending_creates); wait for them")
+        self._pending[tenant] = pending + 1
+
+    def _drop_pending(self, tenant: str) -> None:
+        self._pending[tenant] -= 1
+        if not self._pending[tenant]:
+            del self._pending[tenant]
 
     async def _admit(self, tenant: str, keys: list[str], cost: Charge,
                      pending: dict[str, Any] | None = None) -> None:
@@ -356,6 +373,9 @@ class Sandboxes:
         try:
             handle = await anyio.to_thread.run_sync(
                 self._create_blocking, entry.api_id, template, limiter=self._create_threads)
+        except CapacityError:  # its message lists the cluster's free resources: not theirs
+            error = ("capacity: no room for this sandbox in the cluster within the create "
+                     "timeout; retry later or ask for less")
         except SandboxError as exc:
             error = f"{_errors.code_of(exc)}: {exc.message}"
         except Exception as exc:  # a host or Ray failure: the entry must not stay pending
@@ -510,13 +530,17 @@ class Sandboxes:
                       count: int, make: Any) -> list[str]:
         # charged before they are made (placeholders), so no create slips past the quota
         keys = [f"copy-{secrets.token_hex(8)}" for _ in range(count)]
-        await self._admit(tenant, keys, cost)
+        self._hold_pending(tenant)  # copies wait for room like creates
         try:
-            handles = await anyio.to_thread.run_sync(make, limiter=self._create_threads)
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await self._state("release", tenant, keys)
-            raise
+            await self._admit(tenant, keys, cost)
+            try:
+                handles = await anyio.to_thread.run_sync(make, limiter=self._create_threads)
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await self._state("release", tenant, keys)
+                raise
+        finally:
+            self._drop_pending(tenant)
         ids = []
         for h in handles:
             entry = Entry(h.sandbox_id, tenant, cost, image, dict(labels), time.time(),
@@ -609,13 +633,25 @@ class Sandboxes:
 
     async def terminal(self, ws: Any, entry: Entry, command: str, rows: int,
                        cols: int) -> None:
-        """An interactive terminal on the WebSocket ``ws`` (``_pty``), counted as a stream."""
-        self._take_stream()
+        """An interactive terminal on the WebSocket ``ws`` (``_pty``), counted as a stream
+        here and, in the books, as one of its tenant's running execs."""
+        key = f"pty-{secrets.token_hex(8)}"
+        reason = await self._state("stream_started", entry.tenant, entry.api_id, key, key)
+        if reason is not None:
+            await ws.accept()
+            await ws.close(code=4429, reason=reason[:120])
+            return
+        try:
+            self._take_stream()
+        except BaseException:
+            self._report("stream_ended", entry.api_id, key)
+            raise
         try:
             await _pty.session(ws, entry.handle, self.call, command, rows, cols,
                                self._config.max_exec_timeout)
         finally:
             self._streaming -= 1
+            self._report("stream_ended", entry.api_id, key)
 
     async def stream_exec(self, entry: Entry,
                           request: ExecRequest) -> AsyncIterator[bytes]:

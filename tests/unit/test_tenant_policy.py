@@ -15,7 +15,7 @@ from ray_sandbox.service import _policy
 from ray_sandbox.service._policy import TenantPolicy, admit, parse_policies
 
 NODES = ("192.0.2.10", "192.0.2.11")  # the cluster's nodes (TEST-NET-1)
-NAMES = {"registry.example": ["203.0.113.5"], "sneaky.example": ["127.0.0.1"],
+NAMES = {"registry.example": ["93.184.216.34"], "sneaky.example": ["127.0.0.1"],
          "inside.example": ["10.1.2.3"], "meta.example": ["169.254.169.254"],
          "node.example": ["192.0.2.11"]}
 
@@ -60,10 +60,10 @@ def test_egress_toward_the_node_private_ranges_or_loopback_is_refused(cidrs):
 
 
 def test_egress_to_public_ranges_is_kept_and_every_node_denied():
-    out = run({"network": "sandbox", "egress": {"allow_cidrs": ["203.0.113.0/24"],
+    out = run({"network": "sandbox", "egress": {"allow_cidrs": ["151.101.0.0/16"],
                                                 "allow_domains": ["pypi.org"]}})
     eg = out.egress
-    assert eg.allow_cidrs == ("203.0.113.0/24",)
+    assert eg.allow_cidrs == ("151.101.0.0/16",)
     assert {"192.0.2.10/32", "192.0.2.11/32"} <= set(eg.deny_cidrs)
     assert eg.private_domains is False  # names open no internal service either
     assert run({"network": "public"}).egress.deny_cidrs == ("192.0.2.10/32", "192.0.2.11/32")
@@ -183,3 +183,18 @@ def test_the_security_docs_show_every_rule_as_the_code_has_it():
     text = (Path(__file__).parents[2] / "docs" / "security.md").read_text()
     for field, rule in _policy.describe().items():
         assert f"| `{field}` | {rule} |" in text, field
+
+
+@pytest.mark.parametrize("cidr", ["::ffff:0:0/96", "64:ff9b::/96", "2002::/16",
+                                  "198.18.0.0/15", "::ffff:127.0.0.1/128"])
+def test_egress_to_ranges_that_lead_elsewhere_is_refused(cidr):
+    """IPv4 inside IPv6 (mapped, NAT64, 6to4) and the benchmarking range were accepted."""
+    refused({"network": "public", "egress": {"allow_cidrs": [cidr]}}, "egress")
+
+
+def test_published_ports_stay_within_the_policys_range():
+    """A published port is the node's: a tenant's port 22 or 8265 stood in for the node's."""
+    refused({"network": "sandbox", "expose_ports": [22]}, "expose_ports")
+    assert run({"network": "sandbox", "expose_ports": [8080]}).expose_ports == (8080,)
+    refused({"network": "sandbox", "expose_ports": [8080]}, "expose_ports",
+            TenantPolicy(port_range=(20000, 30000)))

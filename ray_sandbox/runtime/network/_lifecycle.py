@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import os
@@ -148,17 +149,23 @@ def _start_dns(
     """Bind the helper's sockets in the namespace the sandbox reaches them from, start it in
     the upstream; returns the port it listens on."""
     _write_policy(state_dir, st.egress)
+    # sandbox mode publishes ports by DNAT: the helper holds them, so nothing else binds them
+    held = _netns.hold_ports(st.upstream, st.expose_addr, st.ports) \
+        if st.mode == "sandbox" else []
     udp, tcp = _netns.bind_dns(st.netns if st.mode == "public" else st.upstream, *listen)
-    with udp, tcp:
+    with udp, tcp, contextlib.ExitStack() as holding:
+        for s in held:
+            holding.enter_context(s)
         cfg = {
             "table": st.tag, "nft_netns": nft_netns,
             "upstreams": list(config.dns or dns.DEFAULT_UPSTREAMS),
             "policy_path": str(state_dir / _state.POLICY_FILE),
             "cache_path": str(state_dir / _state.CACHE_FILE),
             "udp_fd": udp.fileno(), "tcp_fd": tcp.fileno(),
+            "held_fds": [s.fileno() for s in held],
         }  # fmt: skip
         proc = dns.start(tag=st.tag, config=cfg, state_dir=state_dir, upstream=st.upstream,
-                         fds=[udp.fileno(), tcp.fileno()])
+                         fds=[udp.fileno(), tcp.fileno(), *cfg["held_fds"]])
         _step(st, state_dir, procs=[*st.procs, procs.track(proc, "dns")])
         return udp.getsockname()[1]
 

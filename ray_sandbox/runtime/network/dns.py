@@ -129,6 +129,8 @@ class Helper:
         self.cache_path = Path(cfg["cache_path"])
         self.udp = socket.socket(fileno=cfg["udp_fd"])
         self.tcp = socket.socket(fileno=cfg["tcp_fd"])
+        # the sandbox's published ports, held (never accepted from) while it lives
+        self.held = [socket.socket(fileno=fd) for fd in cfg.get("held_fds", ())]
         self.lock = threading.Lock()
         self.cache: dict[str, tuple[str, float]] = {}  # address -> (name, expiry)
         self.domains: tuple[str, ...] = ()

@@ -10,11 +10,11 @@ import ctypes
 import os
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from ..errors import NetworkError
+from ..errors import ConfigError, NetworkError
 
 T = TypeVar("T")
 NETNS_DIR = Path("/run/netns")
@@ -105,6 +105,32 @@ def port_free(name: str | None, addr: str, port: int) -> bool:
             return True
 
     return run_in(name, probe)
+
+
+def hold_ports(name: str | None, addr: str, ports: Sequence[int]) -> list[socket.socket]:
+    """A listening TCP socket on each ``addr:port`` in netns ``name``, never accepted from:
+    a published port is a DNAT rule, which binds nothing, so without it a host service
+    could bind the port later and its local clients would reach the sandbox instead."""
+
+    def bind() -> list[socket.socket]:
+        held: list[socket.socket] = []
+        try:
+            for port in ports:
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                held.append(s)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind((addr, port))
+                s.listen(1)
+        except OSError:
+            for s in held:
+                s.close()
+            raise
+        return held
+
+    try:
+        return run_in(name, bind)
+    except OSError as exc:
+        raise ConfigError(f"a published port on {addr} is already in use: {exc}") from exc
 
 
 def bind_dns(name: str | None, addr: str, port: int) -> tuple[socket.socket, socket.socket]:
