@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ray_sandbox.runtime import ImageStore, SandboxRuntime
+from ray_sandbox.runtime import ImageStore, SandboxRuntime, procfs
 from ray_sandbox.runtime.errors import SandboxError
 from ray_sandbox.runtime.paths import images as images_dir
 
@@ -174,15 +174,8 @@ class Soak:
             return any(m.decode() in done for m in _ID.findall(data))
 
         marker = f"--root={self.home / 'runsc'}".encode()
-        procs = 0
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    argv = (entry / "cmdline").read_bytes()
-                except OSError:
-                    continue
-                if marker in argv and finished(argv):
-                    procs += 1
+        procs = sum(1 for _, argv in procfs.cmdlines()
+                    if marker in argv and finished(b"\0".join(argv)))
         cgroups = sum(1 for ctrl in _CGROUP.iterdir() if ctrl.is_dir()
                       for sid in done if (ctrl / sid).is_dir()) if _CGROUP.is_dir() else 0
         mounts = [line for line in Path("/proc/self/mountinfo").read_text().splitlines()

@@ -23,7 +23,7 @@ from typing import TypeVar
 
 import pytest
 
-from ray_sandbox.runtime import SandboxRuntime, SandboxState
+from ray_sandbox.runtime import SandboxRuntime, SandboxState, procfs
 
 HEAVY = bool(os.environ.get("RAY_SANDBOX_HEAVY"))
 F = TypeVar("F", bound=Callable[..., object])
@@ -80,14 +80,9 @@ def sentry_pid(runtime: SandboxRuntime, sandbox_id: str) -> int:
 
 def runsc_pid(argv0: bytes, sandbox_id: str) -> int:
     """PID of the sandbox's ``runsc-sandbox`` (sentry) or ``runsc-gofer`` host process."""
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                argv = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if argv[0] == argv0 and any(sandbox_id.encode() in a for a in argv):
-                return int(entry.name)
+    for pid, argv in procfs.cmdlines():
+        if argv[0] == argv0 and any(sandbox_id.encode() in a for a in argv):
+            return pid
     raise AssertionError(f"no {argv0!r} process for {sandbox_id}")
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ray_sandbox.runtime import ImageStore, SandboxRuntime, disk
+from ray_sandbox.runtime import ImageStore, SandboxRuntime, disk, procfs
 from ray_sandbox.runtime.images import pins
 from ray_sandbox.runtime.images.storedir import StoreDir
 from ray_sandbox.runtime.paths import home
@@ -31,14 +31,9 @@ def leftovers(rt_home: Path, ids: set[str] = frozenset(),
     out: dict[str, list[str]] = {"processes": [], "cgroups": [], "sandbox_dirs": [],
                                  "runsc_state": [], "mounts": [], "loops": [], "pins": []}
     marker = f"--root={rt_home / 'runsc'}".encode()
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                args = (p / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if marker in args:
-                out["processes"].append(f"{p.name}: {args[:120]!r}")
+    for pid, argv in procfs.cmdlines():
+        if marker in argv:
+            out["processes"].append(f"{pid}: {b' '.join(argv)[:120]!r}")
     cg = Path("/sys/fs/cgroup")
     for ctrl in cg.iterdir() if cg.is_dir() else []:
         for d in ctrl.iterdir() if ctrl.is_dir() else []:

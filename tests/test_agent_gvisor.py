@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-import statistics
 import threading
 import time
 
 import pytest
 
+from benchmarks._harness import measure
 from ray_sandbox.runtime.agent import AgentClient, PythonContext, expected_version
 from ray_sandbox.runtime.errors import SandboxDiedError, SandboxFileError
 from ray_sandbox.runtime.results import ExecResult
@@ -183,13 +183,7 @@ def test_print_performance(busybox_box, static_box, python_box):
     c = busybox_box.client
 
     def p50(fn, n: int = 200) -> float:
-        fn()
-        samples = []
-        for _ in range(n):
-            t = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t) * 1000)
-        return round(statistics.median(samples), 3)
+        return measure("", fn, n)["p50_ms"]
 
     rows = {
         "runsc exec true": p50(lambda: busybox_box.runsc_exec("true"), 30),

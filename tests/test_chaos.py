@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from ray_sandbox.runtime import SandboxRuntime, SandboxState
+from ray_sandbox.runtime import SandboxRuntime, SandboxState, procfs
 from ray_sandbox.runtime.errors import SandboxDiedError, SandboxError, SandboxNotFoundError
 from tests.fx_hostile import answers, runsc_pid, settle_state, wait_until
 from tests.fx_ray import host_pid
@@ -143,14 +143,9 @@ def _runsc_cli_running(home: Path, verb: bytes = b"run") -> bool:
     """A ``runsc <verb>`` command (not the sandbox or gofer) of this home is running (the
     verb matters: a starting runtime's reaper runs ``runsc list`` first)."""
     marker = f"--root={home / 'runsc'}".encode()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                argv = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if argv[0].endswith(b"runsc") and marker in argv and verb in argv:
-                return True
+    for _, argv in procfs.cmdlines():
+        if argv[0].endswith(b"runsc") and marker in argv and verb in argv:
+            return True
     return False
 
 

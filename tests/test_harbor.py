@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from ray_sandbox.runtime import procfs
 from tests.fx_hostile import wait_until
 from tests.fx_images import scratch_dir
 from tests.fx_runtime import leftovers, leftovers_after_teardown
@@ -104,14 +105,7 @@ def node_listener() -> Iterator[tuple[str, int]]:
 
 
 def processes_mentioning(text: str) -> list[str]:
-    found = []
-    for p in Path("/proc").iterdir():
-        try:
-            if p.name.isdigit() and text.encode() in (p / "cmdline").read_bytes():
-                found.append(p.name)
-        except OSError:
-            continue
-    return found
+    return [str(pid) for pid, argv in procfs.cmdlines() if text.encode() in b"\0".join(argv)]
 
 
 def run_in_harbor_venv(argv: list[str], work: Path) -> str:

@@ -5,6 +5,7 @@ the sandbox controls."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -91,3 +92,17 @@ def is_running(pid: int, start: int | None) -> bool:
     counts as gone: its parent (e.g. a subreaper that does not collect it) may never reap."""
     st = stat(pid)
     return st is not None and st.start == start and st.state != "Z"
+
+
+def cmdlines() -> Iterator[tuple[int, list[bytes]]]:
+    """``(pid, argv)`` of every process of the node that can still be read (one that exits
+    meanwhile is skipped): the one scan of /proc's command lines, for the reaper's and the
+    tests' searches alike."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            raw = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        yield int(entry.name), raw.rstrip(b"\0").split(b"\0")

@@ -31,29 +31,27 @@ def _texts(value: Any, where: str = "body") -> None:
             _texts(v, where)
 
 
-class Body(BaseModel):
+class TextOnly(BaseModel):
+    """Every string of the body is valid Unicode (``_texts``)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        _texts(data)
+        return data
+
+
+class Body(TextOnly):
     """A request body: unknown fields refused, text checked."""
 
     model_config = ConfigDict(extra="forbid")
 
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_text(cls, data: Any) -> Any:
-        _texts(data)
-        return data
 
-
-class CreateSandbox(SandboxConfig):
+class CreateSandbox(TextOnly, SandboxConfig):
     """``POST /sandboxes``: every :class:`SandboxConfig` option, as there, held to the
     tenant's policy (``_policy``). A ``spec_transform`` is code and cannot cross HTTP."""
 
     spec_transform: SkipJsonSchema[None] = Field(None, exclude=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_text(cls, data: Any) -> Any:
-        _texts(data)
-        return data
 
 
 class Created(BaseModel):
@@ -83,7 +81,7 @@ class Deleted(BaseModel):
     status: Literal["terminated"] = "terminated"
 
 
-class CreateExec(ExecRequest):
+class CreateExec(TextOnly, ExecRequest):
     """``POST /sandboxes/{id}/execs`` and ``.../execs/stream``: the runtime's
     :class:`~ray_sandbox.runtime.verbs.ExecRequest` itself (``timeout`` is
     ``timeout_seconds`` here, as in Ray's REST API). What HTTP asks more of it, and why:
@@ -91,12 +89,6 @@ class CreateExec(ExecRequest):
     an absolute ``cwd``, a non-empty command without NUL bytes (a 400 before anything
     runs); the service caps ``timeout`` at ``max_exec_timeout`` and ``max_output_bytes`` at
     its own."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_text(cls, data: Any) -> Any:
-        _texts(data)
-        return data
 
     @field_validator("command")
     @classmethod
