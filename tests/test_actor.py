@@ -331,3 +331,38 @@ def test_every_config_option_works_through_create(ray_cluster, ray_home):
         ray.get(sb.terminate.remote())
     with pytest.raises(sandbox.ConfigError, match="no_such_option"):
         sandbox.create(image="ray-sandbox/busybox", no_such_option=1)
+
+
+def test_a_name_is_held_by_one_live_sandbox_at_a_time(ray_cluster):
+    """create(name=) twice made two sandboxes and get() returned the newer one; Ray's named
+    actors refuse a taken name, and Modal raises AlreadyExistsError."""
+    from ray.experimental import internal_kv
+
+    from ray_sandbox.actor import names
+    from ray_sandbox.runtime.errors import SandboxExistsError
+
+    ray = ray_cluster
+    opts = {"image": "ray-sandbox/busybox", "cpu": 0.1, "memory": "64Mi"}
+    first = sandbox.create(name="dup", **opts)
+    try:
+        with pytest.raises(SandboxExistsError, match="'dup' already exists"):
+            sandbox.create(name="dup", **opts)
+        assert isinstance(SandboxExistsError("x"), ValueError)  # what Ray raises for names
+        same = sandbox.create(name="dup", get_if_exists=True, **opts)
+        assert same.sandbox_id == first.sandbox_id
+        assert len(sandbox.list()) == 1
+    finally:
+        ray.get(first.terminate.remote())
+    # given back when its sandbox ends, at once
+    second = sandbox.create(name="dup", **opts)
+    assert sandbox.get("dup").sandbox_id == second.sandbox_id
+    ray.get(second.terminate.remote())
+    # a claim whose sandbox is gone (a host that died with it) is taken over
+    internal_kv._internal_kv_put(b"ghost", b"f" * 32, namespace=names._NS)
+    third = sandbox.create(name="ghost", **opts)
+    ray.get(third.terminate.remote())
+    # and one the TTL ended is given back too
+    short = sandbox.create(name="ttl", ttl_seconds=1, **opts)
+    wait_until(lambda: not sandbox.list(), 30)
+    ray.get(sandbox.create(name="ttl", **opts).terminate.remote())
+    assert short.sandbox_id not in {h.sandbox_id for h in sandbox.list()}

@@ -11,9 +11,15 @@ from typing import Any, Literal
 import ray
 
 from ..runtime.config import SandboxConfig
-from ..runtime.errors import BatchCreateError, ConfigError, SandboxError, SandboxNotFoundError
+from ..runtime.errors import (
+    BatchCreateError,
+    ConfigError,
+    SandboxError,
+    SandboxExistsError,
+    SandboxNotFoundError,
+)
 from ..runtime.snapshot import Snapshot
-from . import copies
+from . import copies, names
 from .admission import admit
 from .copies import delete_filesystem_image, delete_snapshot
 from .handle import SandboxHandle
@@ -60,8 +66,38 @@ def create(
             return get(name, namespace=namespace)
         except SandboxNotFoundError:
             pass
-    return create_from_template(_template(image, config, template, options), name=name,
-                                namespace=namespace, lifetime=lifetime, timeout=timeout)
+    t = _template(image, config, template, options)
+    if not name:
+        return create_from_template(t, lifetime=lifetime, timeout=timeout)
+    try:
+        names.claim(name, _exists, _dead_jobs)
+    except SandboxExistsError:
+        if get_if_exists:  # made meanwhile by another caller: that one is ours to use
+            return get(name, namespace=namespace)
+        raise
+    try:
+        handle = create_from_template(t, name=name, namespace=namespace, lifetime=lifetime,
+                                      timeout=timeout)
+    except BaseException:
+        names.release(name)
+        raise
+    names.settle(name, handle.sandbox_id)
+    return handle
+
+
+def _exists(sandbox_id: str) -> bool:
+    """Whether the sandbox runs, or is suspended, on any node (a name it holds is taken)."""
+    for _, _, items in ask_hosts("list", None):
+        if any(sid == sandbox_id for sid, _ in items):
+            return True
+    return any(snap is not None for _, _, snap in ask_hosts("find_suspended", sandbox_id))
+
+
+def _dead_jobs() -> set[str]:
+    try:
+        return {j["JobID"] for j in ray._private.state.jobs() if j.get("IsDead")}
+    except Exception:  # noqa: BLE001 - GCS hiccup: no pending claim is taken for stale
+        return set()
 
 
 def _template(image: str | None, config: SandboxConfig | None,

@@ -141,7 +141,7 @@ class SandboxHost:
         """A sandbox under the caller's own reservation ``pg_hex`` (one that waited for room
         as pending Ray demand); the reservation is removed when the sandbox ends."""
         return self._here.start(pg_hex, None if detached else owner_job,
-                                lambda: self._boots.boot(config, pg_hex, name))
+                                lambda: self._boots.boot(config, pg_hex, name), name)
 
     def create_many(self, config: SandboxConfig, bundle: Mapping[str, float], k: int,
                     detached: bool, owner_job: str | None = None, name: str | None = None,
@@ -161,7 +161,7 @@ class SandboxHost:
             try:
                 return self._here.start(
                     pg_hex, job, lambda: self._boots.hand_out(sid, config, pg_hex, name)
-                    if sid else self._boots.boot(config, pg_hex, name))
+                    if sid else self._boots.boot(config, pg_hex, name), name)
             except SandboxError as exc:
                 return exc
             except Exception as exc:  # noqa: BLE001 - reported with the others, not raised
@@ -177,13 +177,14 @@ class SandboxHost:
                     ] * missing
         return results, self._boots.advertised()
 
-    def delete(self, sandbox_id: str) -> None:
+    def delete(self, sandbox_id: str, keep_name: bool = False) -> None:
+        """End the sandbox; its name is given back unless ``keep_name`` (a suspension)."""
         try:
             if self._rt.oom_killed(sandbox_id):  # the cgroup that tells goes with the delete
                 metrics.count_oom()
             self._rt.delete(sandbox_id)
         finally:
-            self._here.forget(sandbox_id)
+            self._here.forget(sandbox_id, keep_name=keep_name)
 
     def shutdown(self, timeout: float = 60.0) -> int:
         """Delete every sandbox on this host, including ones whose create was in flight
@@ -247,7 +248,7 @@ class SandboxHost:
             ids = [sandbox_id] if sandbox_id else None
             return self._rt.restore(snapshot, 1, labels=labels, sandbox_ids=ids)[0]
 
-        return self._here.start(pg_hex, owner_job, start)
+        return self._here.start(pg_hex, owner_job, start, name)
 
     def delete_snapshot(self, snapshot_id: str) -> None:
         self._rt.snapshots.delete(snapshot_id)
@@ -264,7 +265,7 @@ class SandboxHost:
             if sandbox_id not in self._here.jobs:  # no owning job: it comes back detached
                 labels[DETACHED_LABEL] = "1"
         snap = self.snapshot(sandbox_id, labels=labels, detach=True)
-        self.delete(sandbox_id)
+        self.delete(sandbox_id, keep_name=True)
         return snap
 
     def find_suspended(self, key: str) -> Snapshot | None:
@@ -443,10 +444,7 @@ def _watch(host: SandboxHost) -> None:
         host._blocks.shrink()
         for sid, pg_hex in items:
             if sid not in live:  # ended by its TTL or idle timeout
-                with here.lock:
-                    here.pgs.pop(sid, None)
-                    here.jobs.pop(sid, None)
-                here.release(pg_hex)
+                here.forget(sid)
             elif jobs.get(sid) in dead_jobs or pg_hex in gone:
                 log.info("the owner of %s is gone; deleting the sandbox", sid)
                 try:

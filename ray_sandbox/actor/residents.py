@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from ..runtime.agent.client import AgentProcess
 from ..runtime.errors import HostRetiringError, SandboxStateError
-from . import metrics
+from . import metrics, names
 from .blocks import Blocks
 from .placement import remove_pg
 
@@ -28,6 +28,7 @@ class Residents:
         self.pgs: dict[str, str] = {}  # sandbox id -> its reservation
         self.jobs: dict[str, str] = {}  # sandbox id -> owning job id (absent: detached)
         self.procs: dict[str, AgentProcess] = {}  # "<sandbox id>:<pid>" -> spawned process
+        self.names: dict[str, str] = {}  # sandbox id -> the name it holds in the cluster
         self.inflight = 0
         self.last_create = 0.0  # when the last create ended (monotonic)
         self.closing = False
@@ -55,7 +56,8 @@ class Residents:
         else:
             remove_pg(pg_hex)
 
-    def start(self, pg_hex: str, owner_job: str | None, start: Callable[[], str]) -> str:
+    def start(self, pg_hex: str, owner_job: str | None, start: Callable[[], str],
+              name: str | None = None) -> str:
         """``start()`` a sandbox under the reservation ``pg_hex`` and adopt it. Counted in
         flight so a shutdown can wait for it; refused once shutting down. The reservation
         is released if the sandbox never comes up."""
@@ -70,6 +72,8 @@ class Residents:
                 self.pgs[sid] = pg_hex
                 if owner_job:
                     self.jobs[sid] = owner_job
+                if name:
+                    self.names[sid] = name
                 n = len(self.pgs)
             metrics.set_live(self.node_id, n)
             return sid
@@ -82,16 +86,20 @@ class Residents:
                 self.last_create = time.monotonic()
                 self.idle.notify_all()
 
-    def forget(self, sandbox_id: str) -> None:
-        """A sandbox ended: its processes close and its reservation is given back."""
+    def forget(self, sandbox_id: str, *, keep_name: bool = False) -> None:
+        """A sandbox ended: its processes close, its reservation is given back and its
+        name too (not while it is only suspended: it comes back under that name)."""
         with self.lock:
             pg_hex = self.pgs.pop(sandbox_id, None)
             self.jobs.pop(sandbox_id, None)
+            name = self.names.pop(sandbox_id, None)
             procs = [self.procs.pop(k) for k in list(self.procs) if k.startswith(sandbox_id)]
         for proc in procs:
             proc.close()
         if pg_hex:
             self.release(pg_hex)
+        if name and not keep_name:
+            names.release(name, sandbox_id)
         metrics.set_live(self.node_id, len(self.pgs))
 
     def close_when_idle(self, timeout: float) -> list[str]:

@@ -5,7 +5,8 @@
     │                                 CommandTimeoutError, AgentTimeoutError, ImageBusyError
     ├── SandboxExecError              Ray's name: a command could not be run; base of ExecError
     ├── ConfigError (ValueError)      bad configuration or arguments, rejected before any work
-    │   └── VolumeExistsError         a volume of that name exists already
+    │   ├── VolumeExistsError         a volume of that name exists already
+    │   └── SandboxExistsError        a live sandbox has that name already (Ray: ValueError)
     ├── ToolMissingError              a required binary (runsc, umoci, skopeo, …) is not installed
     ├── CommandError                  an external tool failed; argv, returncode and stderr attached
     │   └── CommandTimeoutError       … or did not finish in time (it was killed)
@@ -103,6 +104,7 @@ __all__ = [
     "ImageBusyError",
     "ImageBuildError",
     "VolumeExistsError",
+    "SandboxExistsError",
     "VolumeNotFoundError",
     "VolumeInUseError",
     "HostRetiringError",
@@ -324,6 +326,10 @@ class ImageBuildError(ImageError):
 
 class VolumeExistsError(ConfigError):
     """A volume of that name exists already (on this node, or through Ray on any)."""
+
+
+class SandboxExistsError(ConfigError):
+    """A live sandbox of that name exists already (names are unique in the cluster)."""
 
 
 class VolumeNotFoundError(SandboxNotFoundError):
