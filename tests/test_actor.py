@@ -366,3 +366,20 @@ def test_a_name_is_held_by_one_live_sandbox_at_a_time(ray_cluster):
     wait_until(lambda: not sandbox.list(), 30)
     ray.get(sandbox.create(name="ttl", **opts).terminate.remote())
     assert short.sandbox_id not in {h.sandbox_id for h in sandbox.list()}
+
+
+def test_a_filesystem_image_is_deleted_when_no_host_runs(ray_cluster, ray_home):
+    """With no host actor running (a new driver, or hosts retired after idling) the delete
+    asked nobody and silently kept the image on disk (~169 MB per Modal snapshot)."""
+    from ray_sandbox.runtime import fs_image
+
+    ray = ray_cluster
+    sb = sandbox.create(image="ray-sandbox/busybox", cpu=0.1, memory="64Mi", readonly=False)
+    ref = ray.get(sb.snapshot_filesystem.remote())
+    ray.get(sb.terminate.remote())
+    sandbox.shutdown()  # every host gone, as after their idle retirement
+    node, image_id = fs_image.parse(ref)
+    path = fs_image.layout(node, image_id, ray_home)
+    assert path.is_dir()
+    sandbox.delete_filesystem_image(ref)
+    assert not path.exists()

@@ -14,7 +14,7 @@ import ray
 
 from ..runtime.errors import ConfigError, ImageInUseError, SandboxError, SandboxNotFoundError
 from ..runtime.snapshot import Snapshot
-from .hosts import all_hosts, ask_hosts, call_host
+from .hosts import all_hosts, ask_hosts, call_host, wake_hosts
 from .labels import DETACHED_LABEL, NAME_LABEL, SUSPENDED_LABEL, current_job
 from .placement import Placement, check_lifetime, copy_bundle, copy_node, remove_pg, reserve
 
@@ -112,7 +112,9 @@ def delete_snapshot(snapshot: Snapshot) -> None:
 def delete_filesystem_image(ref: str) -> None:
     """Delete an image made by ``snapshot_filesystem`` from its node and every node that
     fetched it. Idempotent. ImageInUseError, with no copy deleted, while a sandbox on any
-    node runs from it; SandboxError if a host did not answer (its copy may remain)."""
+    node runs from it; SandboxError if a host did not answer (its copy may remain). Nodes
+    whose host retired get one again for this (their copies would stay on disk)."""
+    wake_hosts()
     users = sorted(node for node, _, used in ask_hosts("filesystem_image_in_use", ref) if used)
     if users:
         raise ImageInUseError(f"{ref} is in use by sandboxes on node(s) {users}")

@@ -84,6 +84,14 @@ def all_hosts() -> dict[str, Any]:
     return out
 
 
+def wake_hosts() -> None:
+    """Start the host of every live node that has none (they retire when idle): a call that
+    must reach every node's files (deleting a filesystem image) would miss theirs."""
+    for node in ray.nodes():
+        if node.get("Alive"):
+            host_for_node(node["NodeID"])
+
+
 def ask_hosts(method: str, *args: Any,
               timeout: float = 60.0) -> list[tuple[str, Any, Any]]:
     """``method(*args)`` on every host, concurrently; (node id, host, result) for each that
