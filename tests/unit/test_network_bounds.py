@@ -43,3 +43,27 @@ def test_leases_are_judged_by_their_owner_only(tmp_path: Path) -> None:
     assert a.sandbox_ids(alloc.owner(mine)) == {"1" * 32}
     assert a.sandbox_ids(alloc.owner(theirs)) == {"2" * 32, "3" * 32}
     assert a.sandbox_ids() == {"1" * 32, "2" * 32, "3" * 32}
+
+
+def test_slirp4netns_not_ready_says_whether_it_died_or_timed_out(tmp_path):
+    """A public sandbox on a freshly started (busy) node failed 1 in 3 with "slirp4netns
+    did not come up" after 5 s; the wait is longer now and its error says which it was."""
+    import os
+    import subprocess
+
+    import pytest
+
+    from ray_sandbox.runtime.errors import NetworkError
+    from ray_sandbox.runtime.network import slirp4netns
+
+    for argv, why in ((["sleep", "5"], "not ready within 0.2 s (timeout)"),
+                      (["sh", "-c", "exit 3"], "exited with code 3")):
+        r, w = os.pipe()
+        proc = subprocess.Popen(argv)
+        os.close(w)
+        if why.startswith("exited"):
+            proc.wait()
+        with pytest.raises(NetworkError, match=why.replace("(", r"\(").replace(")", r"\)")):
+            slirp4netns.wait_ready(slirp4netns.Starting(proc, r), tmp_path / "log", 0.2)
+        proc.kill()
+        proc.wait()

@@ -66,8 +66,12 @@ def start(*, netns: str, upstream: str | None, api_socket: Path, log: Path) -> S
     return Starting(proc, r)
 
 
-def wait_ready(starting: Starting, log: Path, timeout: float = 5.0) -> None:
-    """Block until tap0 is configured; raise :class:`NetworkError` if slirp4netns died."""
+READY_TIMEOUT = 30.0  # it is ready in ~10 ms; a node busy starting Ray took over 5 s
+
+
+def wait_ready(starting: Starting, log: Path, timeout: float = READY_TIMEOUT) -> None:
+    """Block until tap0 is configured; :class:`NetworkError` if slirp4netns exited first,
+    or was not ready within ``timeout`` seconds (each says which)."""
     try:
         ready, _, _ = select.select([starting.ready_fd], [], [], timeout)
         ok = bool(ready) and os.read(starting.ready_fd, 1) == b"1"
@@ -75,7 +79,10 @@ def wait_ready(starting: Starting, log: Path, timeout: float = 5.0) -> None:
         os.close(starting.ready_fd)
     if not ok:
         tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
-        raise NetworkError("slirp4netns did not come up", argv=starting.proc.args, stderr=tail)
+        code = starting.proc.poll()
+        why = (f"exited with code {code} before it was ready" if code is not None
+               else f"was not ready within {timeout:g} s (timeout)")
+        raise NetworkError(f"slirp4netns {why}", argv=starting.proc.args, stderr=tail)
 
 
 def add_hostfwd(api_socket: Path, host_addr: str, host_port: int, guest_port: int) -> None:
