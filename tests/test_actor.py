@@ -383,3 +383,18 @@ def test_a_filesystem_image_is_deleted_when_no_host_runs(ray_cluster, ray_home):
     assert path.is_dir()
     sandbox.delete_filesystem_image(ref)
     assert not path.exists()
+
+
+def test_a_create_of_another_shape_does_not_wait_for_idle_blocks(ray_cluster):
+    """After terminate(), a create of another CPU/memory shape waited for the empty block
+    of the first shape to idle out (RAY_SANDBOX_BLOCK_IDLE_S, ~11 s by default) while
+    nothing ran: when no host has room, hosts give their empty blocks back at once."""
+    ray = ray_cluster
+    first = sandbox.create(image="ray-sandbox/busybox", cpu=2, memory="64Mi")
+    host = first._host
+    ray.get(first.terminate.remote())
+    assert [b.used for b in ray.get(host.blocks.remote())] == [0]  # empty, still held
+    assert ray.get(host.blocks.remote(True)) == []  # what a create waiting for room asks
+    # 3 of the cluster's 4 CPUs: fits only once the empty block is gone
+    other = sandbox.create(image="ray-sandbox/busybox", cpu=3, memory="96Mi", timeout=60)
+    ray.get(other.terminate.remote())

@@ -39,9 +39,11 @@ def admit(t: SandboxTemplate, n: int, *, name: str | None = None,
         chosen = router.place(t, len(todo))
         if not chosen and not asked:
             # slots freed by deletes are not in this process's view: ask the hosts once
-            # (one call each) before waiting for Ray to find room
+            # (one call each) before waiting for Ray to find room, and have them give back
+            # their empty blocks, whose resources a create of another shape may need (it
+            # waited ~11 s for their idle limit with nothing running)
             asked = True
-            router.learn(b for _, _, blocks in ask_hosts("blocks") for b in blocks)
+            router.learn(b for _, _, blocks in ask_hosts("blocks", True) for b in blocks)
             chosen = router.place(t, len(todo))
         if not chosen:
             break

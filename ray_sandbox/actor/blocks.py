@@ -191,12 +191,14 @@ class Blocks:
             log.info("reserved %d slots of %s on %s", placed, dict(bundle), self.node_id)
         return placed > 0
 
-    def shrink(self) -> int:
-        """Give back blocks idle for the idle limit; returns how many."""
+    def shrink(self, idle_s: float | None = None) -> int:
+        """Give back blocks idle for ``idle_s`` (default: the idle limit; 0: every empty
+        one); returns how many."""
         now = time.monotonic()
+        limit = self._idle_limit if idle_s is None else idle_s
         with self._lock:
             idle = [b.pg_hex for b in self._blocks.values()
-                    if not b.used and now - b.idle_since >= self._idle_limit]
+                    if not b.used and now - b.idle_since >= limit]
             for pg_hex in idle:
                 del self._blocks[pg_hex]
         for pg_hex in idle:

@@ -130,8 +130,12 @@ class SandboxHost:
         """The stock's hits, misses, stocked sandboxes and target (``stock.py``)."""
         return self._stock.stats()
 
-    def blocks(self) -> list[Block]:
-        """This host's blocks: placement group, shape, size, slots used."""
+    def blocks(self, give_back_empty: bool = False) -> list[Block]:
+        """This host's blocks: placement group, shape, size, slots used; with
+        ``give_back_empty``, empty ones are given back to Ray first (a create of another
+        shape is waiting for room that idle blocks hold)."""
+        if give_back_empty:
+            self._blocks.shrink(idle_s=0.0)
         return self._blocks.reserved()
 
     # --- lifecycle -------------------------------------------------------------------------
