@@ -430,9 +430,10 @@ def test_a_published_port_is_reached_with_a_signed_expiring_url(service: Service
         (a, b), (port_a, port_b) = ids, ports
         signed = c.post(f"/sandboxes/{a}/ports/{port_a}/url", json={}).json()
         token = signed["token"]
-        assert signed["url"] == f"{service.url}/ports/{a}/{port_a}/{token}/"
+        # no trailing slash (Modal's tunnel URLs have none): f"{url}/x" is not //x
+        assert signed["url"] == f"{service.url}/ports/{a}/{port_a}/{token}"
         # valid: no bearer token needed, the signed one is the authorization
-        r = _get_when_up(signed["url"] + "index.html")
+        r = _get_when_up(signed["url"] + "/index.html")
         assert (r.status_code, r.text) == (200, "from-a")
         # scoped: A's token opens neither B nor another port of A
         error(httpx.get(f"{service.url}/ports/{b}/{port_a}/{token}/index.html"), 401,
@@ -447,7 +448,7 @@ def test_a_published_port_is_reached_with_a_signed_expiring_url(service: Service
         short = c.post(f"/sandboxes/{a}/ports/{port_a}/url", json={"ttl_seconds": 0.2}).json()
         while time.time() <= short["expires_at"]:
             time.sleep(0.1)
-        assert "expired" in error(httpx.get(short["url"] + "index.html"), 401)
+        assert "expired" in error(httpx.get(short["url"] + "/index.html"), 401)
         # only published ports, only the tenant's own sandboxes
         error(c.post(f"/sandboxes/{a}/ports/9/url", json={}), 400)
         error(bob.post(f"/sandboxes/{a}/ports/{port_a}/url", json={}), 404)
@@ -471,11 +472,11 @@ def test_a_modal_encrypted_port_is_a_signed_url_of_the_service(service: Service,
         assert web.exec("sh", "-c", "mkdir /srv && echo -n from-modal >/srv/index.html && "
                         f"httpd -p {port} -h /srv").wait() == 0
         tunnel = web.tunnels()[port]
-        token = tunnel.url.split("/")[-2]
-        assert tunnel.url == f"{service.url}/ports/{web.object_id}/{port}/{token}/"
+        token = tunnel.url.split("/")[-1]
+        assert tunnel.url == f"{service.url}/ports/{web.object_id}/{port}/{token}"
         assert (f"http://{tunnel.host}:{tunnel.port}/api/v1", tunnel.expires_at > time.time()) \
             == (service.url, True)
-        r = _get_when_up(tunnel.url + "index.html")  # no bearer token: the URL is the grant
+        r = _get_when_up(tunnel.url + "/index.html")  # no bearer token: the URL is the grant
         assert (r.status_code, r.text) == (200, "from-modal")
         with pytest.raises(modal.exception.InvalidError, match="unencrypted"):
             tunnel.tcp_socket  # noqa: B018 - the property raises
@@ -490,7 +491,45 @@ def test_a_modal_encrypted_port_is_a_signed_url_of_the_service(service: Service,
             serve.get_app_handle("ray-sandbox").port_url.remote(web._handle, 9).result()
     finally:
         web.terminate()
-    error(httpx.get(tunnel.url + "index.html"), 404)  # its sandbox is gone
+    error(httpx.get(tunnel.url + "/index.html"), 404)  # its sandbox is gone
+
+
+def test_a_tunnel_outlives_the_host_the_service_first_knew(service: Service, monkeypatch):
+    """Tunnels went stale: the replica kept the handle of a node's host that had retired
+    (idle) and answered 503 for sandboxes of the host started after it. The URL also works
+    bare (no path) and an empty query reaches the app without a '?'."""
+    import ray
+
+    import ray_sandbox
+    import ray_sandbox.modal as modal
+
+    monkeypatch.setenv("RAY_SANDBOX_SERVICE_APP", "ray-sandbox")
+
+    def serve_one() -> tuple[modal.Sandbox, str]:
+        port = free_port()
+        sb = modal.Sandbox.create(image=modal.Image.from_registry(BUSYBOX), memory=64,
+                                  encrypted_ports=[port])
+        # a CGI that echoes the request line the app received
+        assert sb.exec("sh", "-c", "mkdir -p /srv/cgi-bin && printf '#!/bin/sh\\necho "
+                       "Content-Type: text/plain\\necho\\necho \"$REQUEST_URI\"\\n' "
+                       f">/srv/cgi-bin/uri && chmod +x /srv/cgi-bin/uri && echo -n up "
+                       f">/srv/index.html && httpd -p {port} -h /srv").wait() == 0
+        return sb, sb.tunnels()[port].url
+
+    first, url = serve_one()
+    assert _get_when_up(url + "/index.html").text == "up"  # the replica knows this host now
+    host = first._handle._host
+    first.terminate()
+    ray.kill(host, no_restart=True)  # what an idle host's retirement leaves behind
+    ray_sandbox.actor.hosts.forget_hosts()
+    second, url = serve_one()  # a new host on the same node
+    try:
+        r = _get_when_up(url + "/index.html")
+        assert (r.status_code, r.text) == (200, "up")
+        assert _get_when_up(url).text == "up"  # the bare URL is the root
+        assert _get_when_up(url + "/cgi-bin/uri").text.strip() == "/cgi-bin/uri"
+    finally:
+        second.terminate()
 
 
 def test_a_filesystem_image_serves_its_tenant_alone(service: Service):

@@ -397,10 +397,12 @@ def _port_routes(app: FastAPI, sandboxes: Sandboxes, config: ServiceConfig) -> N
         base = (config.public_url or str(request.base_url).rstrip("/")) + PREFIX
         return _ports.port_url(config, base, entry, port, body.ttl_seconds)
 
+    @app.api_route(f"{PREFIX}/ports/{{sandbox_id}}/{{port}}/{{token}}",
+                   methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"])
     @app.api_route(f"{PREFIX}/ports/{{sandbox_id}}/{{port}}/{{token}}/{{path:path}}",
                    methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"])
     async def port_proxy(request: Request, sandbox_id: str, port: int, token: str,
-                         path: str) -> Response:
+                         path: str = "") -> Response:
         """The sandbox's published port, for whoever holds a valid URL (no bearer)."""
         claims = _ports.claims_for(config, sandbox_id, port, token)
         if "tenant" in claims:

@@ -60,7 +60,8 @@ def _signed(config: ServiceConfig, base: str, claims: dict[str, Any],
     expires = time.time() + min(ttl or config.max_port_url_seconds, config.max_port_url_seconds)
     token = _signing.sign(config.signing_key.get_secret_value().encode(),
                           {**claims, "exp": expires})
-    return {"url": f"{base}/ports/{claims['sid']}/{claims['port']}/{token}/", "token": token,
+    # no trailing slash: Modal's tunnel URLs have none, and f"{url}/api" must not be //api
+    return {"url": f"{base}/ports/{claims['sid']}/{claims['port']}/{token}", "token": token,
             "expires_at": expires}
 
 
@@ -96,7 +97,9 @@ class Proxy:
     async def forward(self, request: Request, node_id: str | None, port: int,
                       path: str) -> Response:
         host = await self._address(node_id)
-        url = httpx.URL(f"http://{host}:{port}/{path}", query=request.url.query.encode())
+        url = httpx.URL(f"http://{host}:{port}/{path}")
+        if request.url.query:  # an empty one reached the app as "/?"
+            url = url.copy_with(query=request.url.query.encode())
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
         req = self._http.build_request(request.method, url, headers=headers,
                                        content=await request.body())  # bounded by the guard

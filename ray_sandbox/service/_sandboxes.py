@@ -29,6 +29,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 from fastapi import HTTPException
+from ray.exceptions import RayActorError
 
 from .. import actor
 from ..actor.hosts import host_for_node
@@ -252,14 +253,34 @@ class Sandboxes:
         through another replica, whose handle this one still holds, or by its TTL) may be
         published by another sandbox meanwhile, and must not be reached through its URL."""
         entry = await self.running(tenant, api_id)
-        try:
-            state = (await self.call(entry.handle.status.remote())).state
-        except SandboxNotFoundError:
-            state = SandboxState.TERMINATED
+        h = entry.handle
+        if h.node_id is not None:
+            state = await self._state_on(h.node_id, h.sandbox_id)
+        else:
+            try:
+                state = (await self.call(h.status.remote())).state
+            except SandboxNotFoundError:
+                state = SandboxState.TERMINATED
         if state == SandboxState.TERMINATED:
             self._entries.pop(api_id, None)
             raise _errors.refusal(404, f"no sandbox {api_id!r}")
         return entry
+
+    async def _state_on(self, node_id: str, sandbox_id: str) -> SandboxState:
+        """The sandbox's state, asked of its node's host now. A host this replica holds a
+        handle of may have retired (idle) and been replaced: the handle is looked up again
+        once, so a port URL keeps working across host retirement (it answered 503)."""
+        for fresh in (False, True):
+            host = await self._blocking(partial(host_for_node, node_id, fresh=fresh))
+            try:
+                return (await self.call(host.call.options(concurrency_group="control").remote(
+                    "status", sandbox_id, NoRequest()))).state
+            except SandboxNotFoundError:
+                return SandboxState.TERMINATED
+            except RayActorError:
+                if fresh:
+                    raise
+        raise AssertionError("unreachable")
 
     async def ray_alive(self, sandbox_id: str, node_id: str) -> str:
         """``node_id`` if the sandbox made through Ray (no tenant's) still runs there, asked
@@ -273,13 +294,7 @@ class Sandboxes:
             if len(self._nodes_seen) >= MAX_NODES_SEEN:
                 self._nodes_seen.clear()
             self._nodes_seen[node_id] = time.monotonic()
-        host = await self._blocking(host_for_node, node_id)
-        try:
-            state = (await self.call(host.call.options(concurrency_group="control").remote(
-                "status", sandbox_id, NoRequest()))).state
-        except SandboxNotFoundError:
-            raise gone from None
-        if state == SandboxState.TERMINATED:
+        if await self._state_on(node_id, sandbox_id) == SandboxState.TERMINATED:
             raise gone
         return node_id
 
