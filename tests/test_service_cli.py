@@ -106,3 +106,23 @@ def test_a_streamed_exec_ends_with_its_real_duration(service):
         *_, last = sb.exec_stream("sleep 0.2; echo done")
         assert last.exit_code == 0
         assert last.duration_seconds > 0  # not the 0.0 of a field nobody filled
+
+
+def test_the_client_and_the_cli_get_a_port_url(service):
+    """Neither the client nor the CLI could get a port URL (Modal's tunnel URL)."""
+    import httpx
+
+    from tests.fx_service import TOKENS
+
+    port = 18082
+    with SandboxClient(service.url, TOKENS["alice"]) as c:
+        sb = c.create(image="ray-sandbox/busybox", cpu=0.25, memory="64Mi",
+                      network="public", expose_ports=[port])
+        sb.exec(f"mkdir /srv && echo -n hi > /srv/index.html && httpd -p {port} -h /srv")
+        url = sb.port_url(port, ttl_seconds=60)
+        assert not url.endswith("/") and httpx.get(url + "/index.html").text == "hi"
+        env = {**os.environ, "RAY_SANDBOX_API_TOKEN": TOKENS["alice"]}
+        out = subprocess.run([CLI, "--url", service.url, "port-url", sb.sandbox_id, str(port)],
+                             env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert httpx.get(out.stdout.strip() + "/index.html").text == "hi"

@@ -17,7 +17,8 @@ from ..runtime.results import ExecResult
 if TYPE_CHECKING:
     from ..client import SandboxClient
 
-COMMANDS = frozenset({"run", "create", "exec", "ps", "rm", "cp"})  # what a service offers
+# what a service offers
+COMMANDS = frozenset({"run", "create", "exec", "ps", "rm", "cp", "port-url"})
 _target: dict[str, str | None] = {"url": None, "token": None}
 
 
@@ -56,9 +57,16 @@ def create(c: SandboxClient, config: SandboxConfig) -> str:
 
 
 def exec_(c: SandboxClient, sandbox_id: str, command: str | list[str],
-          timeout: float | None, cwd: str | None) -> ExecResult:
+          **options: Any) -> ExecResult:
     try:
-        return c.get(sandbox_id).exec(command, timeout=timeout, cwd=cwd)
+        return c.get(sandbox_id).exec(command, **options)
+    finally:
+        c.close()
+
+
+def port_url(c: SandboxClient, sandbox_id: str, port: int, ttl: float | None) -> str:
+    try:
+        return c.get(sandbox_id).port_url(port, ttl_seconds=ttl)
     finally:
         c.close()
 

@@ -130,9 +130,8 @@ def exec_(
     try:
         cmd = command[0] if len(command) == 1 else command
         if (service := _remote.client()) is not None:
-            if user is not None:
-                raise ConfigError("--user is not offered by the service")
-            res = _remote.exec_(service, sandbox_id, cmd, timeout, cwd)
+            res = _remote.exec_(service, sandbox_id, cmd, timeout=timeout, cwd=cwd,
+                                user=user)
         else:
             res = SandboxRuntime(reap=False).exec(sandbox_id, cmd, timeout=timeout, cwd=cwd,
                                                   user=user)
@@ -140,6 +139,23 @@ def exec_(
         raise _fail(exc) from None
     _print_result(res, as_json)
     raise typer.Exit(res.exit_code)
+
+
+@app.command("port-url")
+def port_url(
+    sandbox_id: str,
+    port: int,
+    ttl: float | None = typer.Option(None, help="seconds the URL stays valid (capped)"),
+) -> None:
+    """Print a signed URL to a published port of a sandbox of the service (--url): no
+    bearer token needed to open it, until it expires."""
+    try:
+        if (service := _remote.client()) is None:
+            raise ConfigError("port-url needs the service: give --url and --token (a local "
+                              "sandbox's published port is on this node, 127.0.0.1:PORT)")
+        typer.echo(_remote.port_url(service, sandbox_id, port, ttl))
+    except SandboxError as exc:
+        raise _fail(exc) from None
 
 
 @app.command()

@@ -106,6 +106,13 @@ class AsyncSandbox:
         await self._client._run(_ops.one("DELETE", self._path(f"/links/{to}/{port}"),
                                     self.sandbox_id))
 
+    async def port_url(self, port: int, *, ttl_seconds: float | None = None) -> str:
+        """A signed, expiring URL to ``port`` (published with ``expose_ports``): whoever
+        holds it reaches the port without a token (Modal's tunnel URL)."""
+        r = await self._client._run(_ops.one("POST", self._path(f"/ports/{port}/url"),
+                                        self.sandbox_id, json={"ttl_seconds": ttl_seconds}))
+        return str(r.json()["url"])
+
     async def terminate(self) -> None:
         await self._client._run(_ops.one("DELETE", self._path(), self.sandbox_id))
         self._client._made.pop(self.sandbox_id, None)
