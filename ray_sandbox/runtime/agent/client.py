@@ -575,7 +575,7 @@ class AgentClient:
             check_int(max_bytes, "max_bytes", sid)
         got = 0
 
-        def take(conn: _Conn, payload: Payload) -> Payload:
+        def take(conn: _Conn, payload: Payload) -> bytes:
             nonlocal got
             got += len(payload)
             if length is not None and got > length:
@@ -584,10 +584,9 @@ class AgentClient:
                 conn.close()
                 raise FileTooLargeError(f"{os.fsdecode(path)} is larger than "
                                         f"max_bytes={max_bytes}", sandbox_id=sid)  # fmt: skip
-            return payload  # bytes or bytearray: both behave as bytes for every caller
+            return bytes(payload)  # a frame over 64 KiB arrives as a bytearray (one copy)
 
-        return self._stream(p.request(p.Op.READ, fields), p.Stream.DATA, take,  # type: ignore[return-value]
-                            data_max=chunk)  # fmt: skip
+        return self._stream(p.request(p.Op.READ, fields), p.Stream.DATA, take, data_max=chunk)
 
     def write_file(
         self,
