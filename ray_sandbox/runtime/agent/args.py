@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 import posixpath
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import BinaryIO
 
 from ..errors import ConfigError, SandboxError, UnsafePathError
@@ -20,7 +20,7 @@ from . import protocol as p
 INT64_MAX = 2**63 - 1  # integers are int64 on the wire
 MAX_TIMEOUT = 366 * 86400.0  # seconds; longer is no timeout at all: pass None
 UPLOAD_CHUNK = p.FRAME_MAX
-PathArg = str | bytes | os.PathLike
+PathArg = str | bytes | os.PathLike[str] | os.PathLike[bytes]
 StrOrBytes = str | bytes
 BytesLike = bytes | bytearray | memoryview
 UploadData = BytesLike | Iterable[bytes] | BinaryIO
@@ -89,8 +89,8 @@ def sandbox_path(path: PathArg, sandbox_id: str | None = None) -> bytes:
 
 
 def exec_fields(
-    argv: list[StrOrBytes],
-    env: list[StrOrBytes] | None,
+    argv: Sequence[StrOrBytes],
+    env: Sequence[StrOrBytes] | None,
     cwd: PathArg | None,
     user: str | None,
     timeout: float | None,

@@ -130,7 +130,8 @@ def decode_fields(payload: bytes | bytearray | memoryview) -> dict[int, list[byt
 def decode_int(raw: bytes) -> int:
     if len(raw) != _INT.size:
         raise ProtocolError(f"integer field of {len(raw)} bytes")
-    return _INT.unpack(raw)[0]
+    value: int = _INT.unpack(raw)[0]
+    return value
 
 
 def frame(ftype: int, payload: bytes | bytearray | memoryview = b"") -> bytes:
