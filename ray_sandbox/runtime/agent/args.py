@@ -12,7 +12,7 @@ import math
 import os
 import posixpath
 from collections.abc import Iterable, Iterator, Sequence
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 from ..errors import ConfigError, SandboxError, UnsafePathError
 from . import protocol as p
@@ -61,7 +61,9 @@ def _fsencode(value: object, what: str, sandbox_id: str | None,
     encoding cannot carry (a lone surrogate outside surrogateescape's range), is a typed
     error, not a TypeError or UnicodeEncodeError."""
     try:
-        return os.fsencode(value)  # type: ignore[arg-type]
+        if not isinstance(value, str | bytes | os.PathLike):
+            raise TypeError  # what os.fsencode would raise
+        return os.fsencode(value)
     except TypeError:
         raise error(f"{what} must be str or bytes, got {value!r}", sandbox_id=sandbox_id) from None
     except UnicodeEncodeError:
@@ -145,7 +147,7 @@ def upload_chunks(data: UploadData, sandbox_id: str | None) -> Iterator[BytesLik
     if isinstance(data, bytes | bytearray | memoryview):
         return _split(memoryview(data))
     if hasattr(data, "read"):
-        return _reads(data, sandbox_id)  # type: ignore[arg-type]
+        return _reads(cast(BinaryIO, data), sandbox_id)  # hasattr is not a type
     if isinstance(data, str) or not isinstance(data, Iterable):
         raise ConfigError(f"data must be bytes, a binary file or an iterable of bytes, got "
                           f"{type(data).__name__}", sandbox_id=sandbox_id)  # fmt: skip

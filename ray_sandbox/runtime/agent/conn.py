@@ -209,10 +209,10 @@ class _Conn:
             raise self.violation(f"a {len(payload)}-byte data frame (1..{data_max} allowed)")
         return ftype, payload
 
-    def decode(self, parse: Callable[[bytes], T], payload: Payload) -> T:
+    def decode(self, parse: Callable[[Payload], T], payload: Payload) -> T:
         """Parses a payload; a malformed one means the peer is broken: drop it."""
         try:
-            return parse(payload)  # type: ignore[arg-type]
+            return parse(payload)
         except ProtocolError as exc:
             raise self.violation(f"malformed frame: {exc}") from None
 
