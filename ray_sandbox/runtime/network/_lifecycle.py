@@ -157,7 +157,7 @@ def _start_dns(
     with udp, tcp, contextlib.ExitStack() as holding:
         for s in held:
             holding.enter_context(s)
-        cfg = {
+        cfg: dict[str, Any] = {
             "table": st.tag, "nft_netns": nft_netns,
             "upstreams": list(config.dns or dns.DEFAULT_UPSTREAMS),
             "policy_path": str(state_dir / _state.POLICY_FILE),
