@@ -13,6 +13,7 @@ import os
 import select
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from subprocess import Popen
@@ -31,7 +32,7 @@ _MAX_SUN_PATH = 107
 class Starting:
     proc: Popen[bytes]
     ready_fd: int
-    argv: list[str]
+    argv: Sequence[str] = ()  # for errors: Popen.args is typed as any command form
 
 
 def start(*, netns: str, upstream: str | None, api_socket: Path, log: Path) -> Starting:
