@@ -65,6 +65,17 @@ def test_partial_reads(fs):
     assert b"".join(c.iter_read(base / "f", offset=2, length=5)) == b"23456"
 
 
+def test_iter_read_yields_bytes_for_large_chunks(fs):
+    # a frame over 64 KiB is received in place into a bytearray; iter_read (and every
+    # stream built on it: download, archive, filesystem images) promises bytes
+    c, base = fs
+    data = os.urandom(3 << 20)
+    (base / "big").write_bytes(data)
+    chunks = list(c.iter_read(base / "big", 1 << 20))
+    assert [type(x) for x in chunks] == [bytes] * 3
+    assert b"".join(chunks) == data
+
+
 def test_non_utf8_names(fs):
     c, base = fs
     name = os.fsdecode(b"caf\xe9-\xff.txt")

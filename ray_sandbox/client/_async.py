@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
 from ..runtime.results import ExecResult, OutputChunk, SandboxLink
 from . import _ops
+
+T = TypeVar("T")
 
 
 class AsyncSandbox:
@@ -62,7 +65,8 @@ class AsyncSandbox:
 
     async def status(self) -> dict[str, Any]:
         r = await self._client._run(_ops.one("GET", self._path(), self.sandbox_id))
-        return r.json()
+        info: dict[str, Any] = r.json()
+        return info
 
     async def write_file(self, path: str, data: str | bytes) -> None:
         content = data.encode() if isinstance(data, str) else data
@@ -77,14 +81,16 @@ class AsyncSandbox:
     async def snapshot(self) -> str:
         """Snapshot the sandbox (it keeps running); returns the snapshot's id."""
         r = await self._client._run(_ops.one("POST", self._path("/snapshot"), self.sandbox_id))
-        return r.json()["snapshot_id"]
+        snapshot_id: str = r.json()["snapshot_id"]
+        return snapshot_id
 
     async def snapshot_filesystem(self) -> str:
         """The sandbox's files (not its processes) as an image this tenant creates sandboxes
         from: ``fs-image://<id>``, for ``create(image=...)``."""
         r = await self._client._run(_ops.one("POST", self._path("/filesystem-image"),
                                               self.sandbox_id, timeout=660))
-        return r.json()["image"]
+        image: str = r.json()["image"]
+        return image
 
     async def fork(self, k: int = 1) -> list[AsyncSandbox]:
         """``k`` running copies, each created by (and deleted with) this client."""
@@ -128,7 +134,7 @@ class AsyncSandboxClient:
         self._headers = {"Authorization": f"Bearer {token}"}
         self._made: dict[str, AsyncSandbox] = {}
 
-    async def _run(self, op: _ops.Op) -> Any:
+    async def _run(self, op: _ops.Op[T]) -> T:
         try:
             call = next(op)
             while True:
@@ -138,7 +144,8 @@ class AsyncSandboxClient:
                                              timeout=call.timeout)
                 call = op.send(r)
         except StopIteration as done:
-            return done.value
+            result: T = done.value
+            return result
 
     async def create(self, image: str | None = None, *, timeout: float = 600.0,
                      detach: bool = False, **options: Any) -> AsyncSandbox:
@@ -156,12 +163,15 @@ class AsyncSandboxClient:
     async def list(self, labels: Mapping[str, str] | None = None) -> list[AsyncSandbox]:
         return [AsyncSandbox(self, s["sandbox_id"]) for s in await self.statuses(labels)]
 
-    async def statuses(self, labels: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+    async def statuses(
+        self, labels: Mapping[str, str] | None = None,
+    ) -> builtins.list[dict[str, Any]]:
         params = {"label": [f"{k}={v}" for k, v in (labels or {}).items()]}
         r = await self._run(_ops.one("GET", "/sandboxes", params=params))
-        return r.json()["sandboxes"]
+        sandboxes: builtins.list[dict[str, Any]] = r.json()["sandboxes"]
+        return sandboxes
 
-    async def restore(self, snapshot_id: str, k: int = 1) -> list[AsyncSandbox]:
+    async def restore(self, snapshot_id: str, k: int = 1) -> builtins.list[AsyncSandbox]:
         """``k`` running copies of a snapshot this tenant took."""
         r = await self._run(_ops.one("POST", f"/snapshots/{snapshot_id}/restore",
                                   json={"count": k}, timeout=660))
@@ -170,21 +180,25 @@ class AsyncSandboxClient:
     async def delete_snapshot(self, snapshot_id: str) -> None:
         await self._run(_ops.one("DELETE", f"/snapshots/{snapshot_id}"))
 
-    async def filesystem_images(self) -> list[str]:
+    async def filesystem_images(self) -> builtins.list[str]:
         """This tenant's filesystem images (``AsyncSandbox.snapshot_filesystem``)."""
-        return (await self._run(_ops.one("GET", "/filesystem-images"))).json()["images"]
+        r = await self._run(_ops.one("GET", "/filesystem-images"))
+        images: builtins.list[str] = r.json()["images"]
+        return images
 
     async def delete_filesystem_image(self, image: str) -> None:
         """Idempotent; ``ImageInUseError`` while a sandbox runs from it."""
         await self._run(_ops.one("DELETE", _ops.fs_image_path(image)))
 
-    def _adopt(self, ids: list[str]) -> list[AsyncSandbox]:
+    def _adopt(self, ids: builtins.list[str]) -> builtins.list[AsyncSandbox]:
         made = [AsyncSandbox(self, i) for i in ids]
         self._made.update((sb.sandbox_id, sb) for sb in made)
         return made
 
     async def health(self) -> bool:
-        return (await self._run(_ops.one("GET", "/health"))).json().get("status") == "ok"
+        r = await self._run(_ops.one("GET", "/health"))
+        status: str | None = r.json().get("status")
+        return status == "ok"
 
     async def aclose(self) -> None:
         try:

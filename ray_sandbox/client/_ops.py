@@ -10,7 +10,7 @@ import time
 from collections.abc import Generator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -33,7 +33,8 @@ class Call:
     timeout: float = 60.0
 
 
-Op = Generator[Call, httpx.Response, Any]
+T = TypeVar("T")
+Op = Generator[Call, httpx.Response, T]  # an operation that returns a T
 
 # Codes the service gives its own refusals, as errors of the tree; every other code is the
 # snake-case name of the tree's class that the service mapped (``sandbox_not_found``).
@@ -69,10 +70,10 @@ def check(r: httpx.Response, sandbox_id: str | None = None) -> httpx.Response:
     raise error_class(code)(f"{code}: {message}", sandbox_id=sandbox_id)
 
 
-def create(options: Mapping[str, Any], timeout: float) -> Op:
+def create(options: Mapping[str, Any], timeout: float) -> Op[str]:
     """Create a sandbox and wait (up to ``timeout`` s) until it runs; returns its id."""
     r = check((yield Call("POST", "/sandboxes", json=dict(options))))
-    sandbox_id = r.json()["sandbox_id"]
+    sandbox_id: str = r.json()["sandbox_id"]
     try:
         info = yield from wait(f"/sandboxes/{sandbox_id}", "pending", timeout, sandbox_id)
     except errors.AgentTimeoutError:
@@ -95,7 +96,7 @@ def _create_error(code: str) -> type[errors.SandboxError]:
     return cls if cls is not errors.SandboxError else errors.SandboxCreationError
 
 
-def wait(path: str, pending: str, timeout: float, sandbox_id: str) -> Op:
+def wait(path: str, pending: str, timeout: float, sandbox_id: str) -> Op[dict[str, Any]]:
     """Long-poll ``path`` while its status is ``pending``, up to ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while True:
@@ -103,7 +104,7 @@ def wait(path: str, pending: str, timeout: float, sandbox_id: str) -> Op:
         poll = max(0.0, min(POLL_SECONDS, left))
         r = check((yield Call("GET", path, params={"wait_seconds": poll},
                               timeout=poll + 60)), sandbox_id)
-        info = r.json()
+        info: dict[str, Any] = r.json()
         if info["status"] != pending:
             return info
         if left <= 0:
@@ -120,7 +121,7 @@ def exec_body(command: str | list[str] | ExecRequest, options: Mapping[str, Any]
     return req.model_dump(mode="json", by_alias=True, exclude_none=True)
 
 
-def run(sandbox_id: str, body: dict[str, Any]) -> Op:
+def run(sandbox_id: str, body: dict[str, Any]) -> Op[ExecResult]:
     """Start a command, wait for it, return its ExecResult (a non-zero exit is a result)."""
     base = f"/sandboxes/{sandbox_id}"
     r = check((yield Call("POST", f"{base}/execs", json=body,
@@ -146,7 +147,7 @@ def exec_result(info: Mapping[str, Any], sandbox_id: str) -> ExecResult:
                       duration_seconds=info.get("duration_seconds") or 0.0)
 
 
-def one(method: str, path: str, sandbox_id: str | None = None, **kw: Any) -> Op:
+def one(method: str, path: str, sandbox_id: str | None = None, **kw: Any) -> Op[httpx.Response]:
     """A single request; returns its response once it succeeded."""
     return check((yield Call(method, path, **kw)), sandbox_id)
 

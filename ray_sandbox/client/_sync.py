@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
 from ..runtime.results import ExecResult, OutputChunk, SandboxLink
 from . import _ops
+
+T = TypeVar("T")
 
 
 class Sandbox:
@@ -61,7 +64,9 @@ class Sandbox:
 
     def status(self) -> dict[str, Any]:
         """``{sandbox_id, status, reason, image, cpu, memory, labels, created_at}``."""
-        return self._client._run(_ops.one("GET", self._path(), self.sandbox_id)).json()
+        info: dict[str, Any] = self._client._run(_ops.one("GET", self._path(),
+                                                          self.sandbox_id)).json()
+        return info
 
     def write_file(self, path: str, data: str | bytes) -> None:
         content = data.encode() if isinstance(data, str) else data
@@ -75,14 +80,16 @@ class Sandbox:
     def snapshot(self) -> str:
         """Snapshot the sandbox (it keeps running); returns the snapshot's id."""
         r = self._client._run(_ops.one("POST", self._path("/snapshot"), self.sandbox_id))
-        return r.json()["snapshot_id"]
+        snapshot_id: str = r.json()["snapshot_id"]
+        return snapshot_id
 
     def snapshot_filesystem(self) -> str:
         """The sandbox's files (not its processes) as an image this tenant creates sandboxes
         from: ``fs-image://<id>``, for ``create(image=...)``."""
         r = self._client._run(_ops.one("POST", self._path("/filesystem-image"),
                                         self.sandbox_id, timeout=660))
-        return r.json()["image"]
+        image: str = r.json()["image"]
+        return image
 
     def fork(self, k: int = 1) -> list[Sandbox]:
         """``k`` running copies, each created by (and deleted with) this client."""
@@ -128,7 +135,7 @@ class SandboxClient:
         self._headers = {"Authorization": f"Bearer {token}"}
         self._made: dict[str, Sandbox] = {}
 
-    def _run(self, op: _ops.Op) -> Any:
+    def _run(self, op: _ops.Op[T]) -> T:
         try:
             call = next(op)
             while True:
@@ -137,7 +144,8 @@ class SandboxClient:
                                        headers=self._headers, timeout=call.timeout)
                 call = op.send(r)
         except StopIteration as done:
-            return done.value
+            result: T = done.value
+            return result
 
     def create(self, image: str | None = None, *, timeout: float = 600.0,
                detach: bool = False, **options: Any) -> Sandbox:
@@ -159,12 +167,14 @@ class SandboxClient:
     def list(self, labels: Mapping[str, str] | None = None) -> list[Sandbox]:  # noqa: A003
         return [Sandbox(self, s["sandbox_id"]) for s in self.statuses(labels)]
 
-    def statuses(self, labels: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+    def statuses(self, labels: Mapping[str, str] | None = None) -> builtins.list[dict[str, Any]]:
         """This tenant's sandboxes as ``status()`` describes each, in one request."""
         params = {"label": [f"{k}={v}" for k, v in (labels or {}).items()]}
-        return self._run(_ops.one("GET", "/sandboxes", params=params)).json()["sandboxes"]
+        r = self._run(_ops.one("GET", "/sandboxes", params=params))
+        sandboxes: builtins.list[dict[str, Any]] = r.json()["sandboxes"]
+        return sandboxes
 
-    def restore(self, snapshot_id: str, k: int = 1) -> list[Sandbox]:
+    def restore(self, snapshot_id: str, k: int = 1) -> builtins.list[Sandbox]:
         """``k`` running copies of a snapshot this tenant took."""
         r = self._run(_ops.one("POST", f"/snapshots/{snapshot_id}/restore",
                                   json={"count": k}, timeout=660))
@@ -173,21 +183,24 @@ class SandboxClient:
     def delete_snapshot(self, snapshot_id: str) -> None:
         self._run(_ops.one("DELETE", f"/snapshots/{snapshot_id}"))
 
-    def filesystem_images(self) -> list[str]:
+    def filesystem_images(self) -> builtins.list[str]:
         """This tenant's filesystem images (``Sandbox.snapshot_filesystem``)."""
-        return self._run(_ops.one("GET", "/filesystem-images")).json()["images"]
+        r = self._run(_ops.one("GET", "/filesystem-images"))
+        images: builtins.list[str] = r.json()["images"]
+        return images
 
     def delete_filesystem_image(self, image: str) -> None:
         """Idempotent; ``ImageInUseError`` while a sandbox runs from it."""
         self._run(_ops.one("DELETE", _ops.fs_image_path(image)))
 
-    def _adopt(self, ids: list[str]) -> list[Sandbox]:
+    def _adopt(self, ids: builtins.list[str]) -> builtins.list[Sandbox]:
         made = [Sandbox(self, i) for i in ids]
         self._made.update((sb.sandbox_id, sb) for sb in made)
         return made
 
     def health(self) -> bool:
-        return self._run(_ops.one("GET", "/health")).json().get("status") == "ok"
+        status: str | None = self._run(_ops.one("GET", "/health")).json().get("status")
+        return status == "ok"
 
     def close(self) -> None:
         """Delete the sandboxes this client created, then close its connections."""

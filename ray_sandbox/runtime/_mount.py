@@ -66,7 +66,7 @@ def bind(source: Path, target: Path, *, readonly: bool, sandbox_id: str,
     inside gVisor, links, renames) can write through it; nosuid/nodev stay as on the source
     (a remount must repeat them, else it would clear them)."""
     target.mkdir(exist_ok=True)
-    steps = [(os.fsencode(source), _MS_BIND)]
+    steps: list[tuple[bytes | None, int]] = [(os.fsencode(source), _MS_BIND)]
     if readonly:
         steps.append((None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV))
     elif harden:  # writable, but what is written there gains no privilege on the host

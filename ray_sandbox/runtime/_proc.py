@@ -42,13 +42,13 @@ class Completed:
 def spawn(
     argv: Sequence[str],
     *,
-    stdin: int | IO | None = subprocess.DEVNULL,
-    stdout: int | IO | None = subprocess.PIPE,
-    stderr: int | IO | None = subprocess.PIPE,
+    stdin: int | IO[bytes] | None = subprocess.DEVNULL,
+    stdout: int | IO[bytes] | None = subprocess.PIPE,
+    stderr: int | IO[bytes] | None = subprocess.PIPE,
     env: Mapping[str, str] | None = None,
     pass_fds: Sequence[int] = (),
     new_session: bool = True,
-) -> subprocess.Popen:
+) -> subprocess.Popen[bytes]:
     """Start ``argv`` and return the Popen; the caller must wait for it (see :func:`wait`)."""
     argv = [str(a) for a in argv]
     try:
@@ -71,13 +71,13 @@ def spawn(
     return proc
 
 
-def forget(proc: subprocess.Popen) -> None:
+def forget(proc: subprocess.Popen[bytes]) -> None:
     """Drop ``proc`` from the own-children set once its exit status has been collected."""
     with _own_lock:
         _own_pids.discard(proc.pid)
 
 
-def kill_group(proc: subprocess.Popen) -> None:
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
     """SIGKILL the process group started for ``proc`` (it leads its own session)."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -94,8 +94,8 @@ def run(
     timeout: float,
     input: bytes | None = None,
     env: Mapping[str, str] | None = None,
-    stdout: int | IO | None = subprocess.PIPE,
-    stderr: int | IO | None = subprocess.PIPE,
+    stdout: int | IO[bytes] | None = subprocess.PIPE,
+    stderr: int | IO[bytes] | None = subprocess.PIPE,
     check: bool = True,
     classify: Classifier | None = None,
     sandbox_id: str | None = None,

@@ -13,8 +13,12 @@ import posixpath
 import stat
 import tarfile
 from collections.abc import Iterable, Iterator
+from functools import partial
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO, cast
+
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
 
 from . import hostfs
 from .errors import SandboxError, SandboxFileError, UnsafePathError
@@ -71,22 +75,23 @@ class _ChunkReader(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def readinto(self, b) -> int:  # type: ignore[override]
+    def readinto(self, b: WriteableBuffer) -> int:
         while not self._buf:
             try:
                 self._buf = next(self._it)
             except StopIteration:
                 return 0
-        n = min(len(b), len(self._buf))
-        b[:n] = self._buf[:n]
+        view = memoryview(b)
+        n = min(len(view), len(self._buf))
+        view[:n] = self._buf[:n]
         self._buf = self._buf[n:]
         return n
 
 
 def as_file(chunks: Iterable[bytes] | BinaryIO) -> BinaryIO:
     if hasattr(chunks, "read"):
-        return chunks  # type: ignore[return-value]
-    return io.BufferedReader(_ChunkReader(chunks), buffer_size=CHUNK)  # type: ignore[arg-type]
+        return cast(BinaryIO, chunks)  # a file-like the caller passed (hasattr is not a type)
+    return io.BufferedReader(_ChunkReader(chunks), buffer_size=CHUNK)
 
 
 def header(info: tarfile.TarInfo) -> bytes:
@@ -147,7 +152,7 @@ def pack_local(src: Path) -> Iterator[bytes]:
             elif os.path.isfile(full):
                 info.size = st.st_size
                 with open(full, "rb") as f:
-                    yield from file_blocks(info, iter(lambda f=f: f.read(CHUNK), b""))
+                    yield from file_blocks(info, iter(partial(f.read, CHUNK), b""))
     yield end_blocks()
 
 

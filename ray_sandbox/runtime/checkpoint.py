@@ -12,7 +12,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .agent.client import AgentClient, connect_agent_socket
+from .agent.client import AgentClient
+from .agent.conn import connect_agent_socket
 from .bundle import SandboxDir
 from .errors import CommandError, SandboxStateError, ToolMissingError
 from .records import SandboxRecord

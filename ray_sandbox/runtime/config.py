@@ -339,8 +339,12 @@ class SandboxConfig(BaseModel):
     @field_validator("workdir")
     @classmethod
     def _workdir(cls, v: str | None) -> str | None:
-        if v is None:
-            return v
+        return None if v is None else cls._sandbox_dir(v)
+
+    @staticmethod
+    def _sandbox_dir(v: str) -> str:
+        """A directory inside the sandbox a workdir or a volume may name: absolute, outside the
+        system directories; returned normalized."""
         if not v.startswith("/") or "\0" in v:
             raise ValueError("workdir must be an absolute path")
         norm = os.path.normpath(v)
@@ -369,7 +373,7 @@ class SandboxConfig(BaseModel):
     def _volume_paths(cls, v: dict[str, VolumeMount]) -> dict[str, VolumeMount]:
         out: dict[str, VolumeMount] = {}
         for path, vol in v.items():
-            norm = cls._workdir(path)
+            norm = cls._sandbox_dir(path)
             if norm in out:
                 raise ValueError(f"two volumes at {norm}")
             out[norm] = vol

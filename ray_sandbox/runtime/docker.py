@@ -49,7 +49,7 @@ from .errors import (
     SandboxCreationError,
     SandboxError,
 )
-from .images import LOCAL_NAMESPACE, Image, built_name
+from .images import LOCAL_NAMESPACE, Image, ImageStore, built_name
 from .spec import Mount
 
 DOCKER_IMAGE = f"{LOCAL_NAMESPACE}/docker:latest"  # built offline (images/store.py)
@@ -253,7 +253,7 @@ def build_image(
     return _named(store, cache, name, say)
 
 
-def _named(store: Any, cache: Path, name: str, say: Callable[[str], None]) -> Image:
+def _named(store: ImageStore, cache: Path, name: str, say: Callable[[str], None]) -> Image:
     """The build kept in ``cache`` as ``name`` in the store: its recorded digest named again
     if the store still holds it, else imported from its archive. The archive's own
     reference is dropped, so the store lists the build once, by its name."""

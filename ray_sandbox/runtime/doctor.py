@@ -230,12 +230,12 @@ def runsc_usage(runsc_root: Path) -> RunscUsage:
                 threads[pid] = int(value)
     ours = set()
     for pid in parent:
-        p, hops = pid, 0
-        while p > 1 and hops < 64:
-            if p in roots:
+        up, hops = pid, 0
+        while up > 1 and hops < 64:
+            if up in roots:
                 ours.add(pid)
                 break
-            p, hops = parent.get(p, 0), hops + 1
+            up, hops = parent.get(up, 0), hops + 1
     pss = 0
     for pid in ours:
         try:

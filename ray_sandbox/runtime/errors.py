@@ -64,7 +64,8 @@ A command that runs and exits non-zero is a result (``ExecResult.exit_code``), n
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 __all__ = [
     "SandboxError",
@@ -145,11 +146,13 @@ class SandboxError(Exception):
             parts.append(f"stderr={self.stderr.strip()[-2000:]!r}")
         return " | ".join(parts)
 
-    def __reduce__(self):  # keep the attributes when Ray pickles the error
+    def __reduce__(  # keep the attributes when Ray pickles the error
+        self,
+    ) -> tuple[Callable[..., SandboxError], tuple[Any, ...]]:
         return (_rebuild, (type(self), self.message, self.__dict__.copy()))
 
 
-def _rebuild(cls: type[SandboxError], message: str, state: dict) -> SandboxError:
+def _rebuild(cls: type[SandboxError], message: str, state: dict[str, Any]) -> SandboxError:
     err = cls.__new__(cls, message)
     SandboxError.__init__(err, message)
     err.__dict__.update(state)
@@ -272,6 +275,8 @@ class ExecError(SandboxExecError):
 class SandboxFileError(SandboxError):
     """A file operation inside the sandbox failed."""
 
+    errno: int | None  # the agent's errno, on the errors the agent reported (as OSError's)
+
 
 class SandboxFileNotFoundError(SandboxFileError, FileNotFoundError):
     __str__ = SandboxError.__str__
@@ -318,7 +323,7 @@ class ImageBuildError(ImageError):
     failing step, ``log_tail`` holds the end of the build's output."""
 
     def __init__(self, message: str, *, step: str | None = None, log_tail: str = "",
-                 **kw) -> None:
+                 **kw: Any) -> None:
         super().__init__(message, **kw)
         self.step = step
         self.log_tail = log_tail

@@ -23,6 +23,7 @@ import tarfile
 from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from . import archive, paths
 from .agent.client import AgentClient
@@ -105,11 +106,11 @@ def capture(client: AgentClient, sandbox_id: str, config: ImageConfig, dest: Pat
     return reference(dest)
 
 
-def _config_json(config: ImageConfig, layer_digest: str, sandbox_id: str) -> dict:
+def _config_json(config: ImageConfig, layer_digest: str, sandbox_id: str) -> dict[str, Any]:
     inner = {"Env": config.env, "WorkingDir": config.working_dir, "User": config.user,
              "Entrypoint": config.entrypoint or None, "Cmd": config.cmd or None,
              "Labels": config.labels or None, "StopSignal": config.stop_signal}
-    out = {
+    out: dict[str, Any] = {
         "created": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "architecture": config.architecture, "os": config.os,
         "config": {k: v for k, v in inner.items() if v not in (None, "")},
@@ -121,7 +122,7 @@ def _config_json(config: ImageConfig, layer_digest: str, sandbox_id: str) -> dic
     return out
 
 
-def _write_json(blobs: Path, value: dict) -> tuple[str, int]:
+def _write_json(blobs: Path, value: dict[str, Any]) -> tuple[str, int]:
     data = json.dumps(value, sort_keys=True).encode()
     return _write_blob(blobs, [data], len(data), None)
 

@@ -31,6 +31,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from . import _proc
 from .errors import ImageError, RegistryUnreachableError, StoreFullError, ToolMissingError
@@ -261,7 +262,7 @@ def export_layout(
                   all_images=all_images)
 
 
-def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> bool:
+def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float) -> bool:
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
@@ -278,7 +279,8 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> bool:
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 @contextmanager
@@ -291,7 +293,7 @@ def serve_registry(
     """
     root.mkdir(parents=True, exist_ok=True)
     config = root / "config.yml"
-    settings: dict = {
+    settings: dict[str, Any] = {
         "version": 0.1,
         "log": {"level": "warn"},
         "storage": {"filesystem": {"rootdirectory": str(root / "data")},

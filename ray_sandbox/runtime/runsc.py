@@ -9,6 +9,7 @@ at all: the PIDs come from runsc's state file, checked against each process's co
 
 from __future__ import annotations
 
+import builtins
 import json
 import os
 import re
@@ -19,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from functools import cached_property
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -274,7 +275,7 @@ class Runsc:
         args = (["--all"] if all else []) + ([f"--pid={pid}"] if pid is not None else [])
         self._run(self._argv("kill", *args, sandbox_id, signal), sandbox_id, _DEFAULT_TIMEOUT)
 
-    def kill_sandbox(self, sandbox_id: str) -> list[int]:
+    def kill_sandbox(self, sandbox_id: str) -> builtins.list[int]:
         """SIGKILL the sandbox's sentry and gofer (their ptrace stubs die with the sentry);
         returns the PIDs signalled. Starts no runsc process (``runsc state``/``kill`` cost
         ~20 ms of CPU each): the PIDs come from runsc's state file, or from a scan of /proc
@@ -286,7 +287,7 @@ class Runsc:
         pids = self._state_pids(sandbox_id) or list(self.processes())
         return [pid for pid in pids if self.kill_if(pid, names_it)]
 
-    def _state_pids(self, sandbox_id: str) -> list[int]:
+    def _state_pids(self, sandbox_id: str) -> builtins.list[int]:
         try:
             with open(self.root / f"{sandbox_id}_sandbox:{sandbox_id}.state", "rb") as f:
                 state = _StateFile.model_validate_json(f.read(_STATE_FILE_MAX))
@@ -294,7 +295,7 @@ class Runsc:
             return []
         return [p for p in (state.sandbox.pid, state.gofer_pid) if p > 0]
 
-    def processes(self) -> dict[int, list[str]]:
+    def processes(self) -> dict[int, builtins.list[str]]:
         """argv of every process of this root: sandboxes, gofers and runsc commands."""
         found: dict[int, list[str]] = {}
         for entry in os.scandir("/proc"):
@@ -302,7 +303,7 @@ class Runsc:
                 found[int(entry.name)] = args
         return found
 
-    def _argv_of(self, pid: int) -> list[str] | None:
+    def _argv_of(self, pid: int) -> builtins.list[str] | None:
         """``pid``'s argv if it is a runsc process of this root, else None."""
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -314,7 +315,7 @@ class Runsc:
             return None
         return args
 
-    def kill_if(self, pid: int, check: Callable[[list[str]], bool]) -> bool:
+    def kill_if(self, pid: int, check: Callable[[builtins.list[str]], bool]) -> bool:
         """SIGKILL ``pid`` if it is a runsc process of this root whose argv passes ``check``.
         Through a pidfd opened before the check: a PID reused meanwhile is never signalled."""
         try:
@@ -355,9 +356,10 @@ class Runsc:
     def resume(self, sandbox_id: str) -> None:
         self._run(self._argv("resume", sandbox_id), sandbox_id, _DEFAULT_TIMEOUT)
 
-    def events_stats(self, sandbox_id: str) -> dict:
+    def events_stats(self, sandbox_id: str) -> dict[str, Any]:
         out = self._run(self._argv("events", "--stats", sandbox_id), sandbox_id, _DEFAULT_TIMEOUT)
-        return json.loads(out.stdout or b"{}")
+        stats: dict[str, Any] = json.loads(out.stdout or b"{}")
+        return stats
 
     # --- exec (the fallback and baseline path; the agent is the fast path) ------------------
 
@@ -369,7 +371,7 @@ class Runsc:
         cwd: str | None = None,
         env: Sequence[str] = (),
         user: str | None = None,
-    ) -> list[str]:
+    ) -> builtins.list[str]:
         """argv for ``runsc exec`` with stdio on pipes (never regular files, PLATFORM §9.3)."""
         args: list[str] = []
         if cwd:
@@ -406,7 +408,10 @@ class Runsc:
         sandbox_id: str,
         argv: Sequence[str],
         *,
-        stdin: int | IO | None = subprocess.PIPE,
-        **kw,
-    ) -> subprocess.Popen:
-        return _proc.spawn(self.exec_argv(sandbox_id, argv, **kw), stdin=stdin)
+        stdin: int | IO[bytes] | None = subprocess.PIPE,
+        cwd: str | None = None,
+        env: Sequence[str] = (),
+        user: str | None = None,
+    ) -> subprocess.Popen[bytes]:
+        return _proc.spawn(self.exec_argv(sandbox_id, argv, cwd=cwd, env=env, user=user),
+                           stdin=stdin)

@@ -22,6 +22,7 @@ bookkeeping, and a reaper can clean up after a creator that died.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import functools
 import os
@@ -641,7 +642,7 @@ class SandboxRuntime:
         return self._client(sandbox_id).spawn(**args, pty=req.pty)
 
     def open_pty(
-        self, sandbox_id: str, command: str | list[str] = "/bin/sh", *, rows: int = 24,
+        self, sandbox_id: str, command: str | builtins.list[str] = "/bin/sh", *, rows: int = 24,
         cols: int = 80, **kw: Any,
     ) -> AgentProcess:
         """An interactive terminal session (write keys, read screen bytes, resize, close)."""
@@ -690,7 +691,7 @@ class SandboxRuntime:
         network.unlink(sandbox_id, self.records.sdir(sandbox_id).path, req.to, req.port)
 
     @_verb
-    def links(self, sandbox_id: str, req: NoRequest) -> list[SandboxLink]:
+    def links(self, sandbox_id: str, req: NoRequest) -> builtins.list[SandboxLink]:
         """The sandbox's links to peers that still exist."""
         self.records.get(sandbox_id)
         out = []
@@ -753,7 +754,7 @@ class SandboxRuntime:
             return False
 
     @_verb
-    def list_dir(self, sandbox_id: str, req: PathRequest) -> list[FileInfo]:
+    def list_dir(self, sandbox_id: str, req: PathRequest) -> builtins.list[FileInfo]:
         return self._client(sandbox_id).list_dir(req.path)
 
     @_verb
@@ -783,7 +784,7 @@ class SandboxRuntime:
 
     # --- reaping and closing -----------------------------------------------------------------
 
-    def gc(self) -> list[str]:
+    def gc(self) -> builtins.list[str]:
         """Remove what dead owners left behind: sandboxes whose creator died, expired
         detached sandboxes, runsc containers and processes without a record, stale pins.
         Returns the ids removed."""

@@ -16,6 +16,7 @@ gives every copy fresh copies of them. Deleting the directory deletes the snapsh
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import hashlib
 import io
@@ -28,7 +29,7 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -36,6 +37,9 @@ from . import procfs
 from .archive import TRANSFER_CHUNK, as_file, member_path
 from .errors import SandboxError, SnapshotCorruptError, SnapshotNotFoundError
 from .records import ID_RE, owner_fields
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
 
 IMAGE_FILES = ("checkpoint.img", "pages.img", "pages_meta.img")
 _HASHED = ("checkpoint.img", "pages_meta.img")  # small; pages.img is checked by size
@@ -200,7 +204,7 @@ class SnapshotStore:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    def gc(self) -> list[str]:
+    def gc(self) -> builtins.list[str]:
         """Remove snapshots whose owner died, and partial ones (no snapshot.json) or imports
         older than a minute (one being taken or imported is younger). Returns their ids."""
         removed = []
@@ -307,9 +311,10 @@ class _Sink(io.RawIOBase):
     def writable(self) -> bool:
         return True
 
-    def write(self, b) -> int:  # type: ignore[override]
-        self.parts.append(bytes(b))
-        return len(b)
+    def write(self, b: ReadableBuffer) -> int:
+        data = bytes(b)
+        self.parts.append(data)
+        return len(data)
 
 
 def pack(path: Path) -> Iterator[bytes]:

@@ -16,6 +16,7 @@ mounts happens under one store-wide lock file. Host code never looks inside a vo
 
 from __future__ import annotations
 
+import builtins
 import fcntl
 import os
 import shutil
@@ -25,7 +26,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Literal, overload
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -210,7 +211,7 @@ class VolumeStore:
                             sandbox_id=sandbox_id)
 
     @contextmanager
-    def _when_free(self, blockers: Callable[[_Table], list[tuple[str, VolumeUse]]],
+    def _when_free(self, blockers: Callable[[_Table], builtins.list[tuple[str, VolumeUse]]],
                    advice: str, sandbox_id: str | None = None) -> Iterator[_Table]:
         """The lock and the mount table once ``blockers(table)`` names no user. Users that
         were deleted and are still being torn down (``delete`` returns before the unbind)
@@ -234,13 +235,14 @@ class VolumeStore:
                         f"{advice}", sandbox_id=sandbox_id or u.sandbox_id)
             time.sleep(0.05)  # outside the lock: the teardown takes it to let go
 
-    def _blockers(self, wanted: dict[str, bool], table: _Table) -> list[tuple[str, VolumeUse]]:
+    def _blockers(self, wanted: dict[str, bool],
+                  table: _Table) -> builtins.list[tuple[str, VolumeUse]]:
         """The (volume, user) pairs that keep ``wanted`` from being mounted."""
         return [(name, u) for name, readonly in wanted.items()
                 if (users := self._users(name, table))
                 and not (readonly and all(u.readonly for u in users)) for u in users]
 
-    def release_idle(self) -> list[str]:
+    def release_idle(self) -> builtins.list[str]:
         """Unmount every volume no sandbox has bound any more; returns their names."""
         if not self.root.is_dir():  # a home that never made a volume: nothing to look at
             return []
@@ -306,7 +308,7 @@ class VolumeStore:
     def _table(self) -> _Table:
         return _Table(self.root, self._sandboxes)
 
-    def _users(self, name: str, table: _Table) -> list[VolumeUse]:
+    def _users(self, name: str, table: _Table) -> builtins.list[VolumeUse]:
         return table.users.get(name, [])
 
     def _ensure_mounted(self, name: str, table: _Table, sandbox_id: str) -> None:
@@ -407,6 +409,11 @@ class _Stream:
     def __init__(self, chunks: Iterable[bytes]) -> None:
         self._it = iter(chunks)
         self._buf = bytearray()
+
+    @overload
+    def read(self, n: int, *, eof_ok: Literal[False] = False) -> bytes: ...
+    @overload
+    def read(self, n: int, *, eof_ok: bool) -> bytes | None: ...
 
     def read(self, n: int, *, eof_ok: bool = False) -> bytes | None:
         while len(self._buf) < n:

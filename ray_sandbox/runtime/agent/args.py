@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 import os
 import posixpath
-from collections.abc import Iterable, Iterator
-from typing import BinaryIO
+from collections.abc import Iterable, Iterator, Sequence
+from typing import BinaryIO, cast
 
 from ..errors import ConfigError, SandboxError, UnsafePathError
 from . import protocol as p
@@ -20,7 +20,7 @@ from . import protocol as p
 INT64_MAX = 2**63 - 1  # integers are int64 on the wire
 MAX_TIMEOUT = 366 * 86400.0  # seconds; longer is no timeout at all: pass None
 UPLOAD_CHUNK = p.FRAME_MAX
-PathArg = str | bytes | os.PathLike
+PathArg = str | bytes | os.PathLike[str] | os.PathLike[bytes]
 StrOrBytes = str | bytes
 BytesLike = bytes | bytearray | memoryview
 UploadData = BytesLike | Iterable[bytes] | BinaryIO
@@ -61,7 +61,9 @@ def _fsencode(value: object, what: str, sandbox_id: str | None,
     encoding cannot carry (a lone surrogate outside surrogateescape's range), is a typed
     error, not a TypeError or UnicodeEncodeError."""
     try:
-        return os.fsencode(value)  # type: ignore[arg-type]
+        if not isinstance(value, str | bytes | os.PathLike):
+            raise TypeError  # what os.fsencode would raise
+        return os.fsencode(value)
     except TypeError:
         raise error(f"{what} must be str or bytes, got {value!r}", sandbox_id=sandbox_id) from None
     except UnicodeEncodeError:
@@ -89,8 +91,8 @@ def sandbox_path(path: PathArg, sandbox_id: str | None = None) -> bytes:
 
 
 def exec_fields(
-    argv: list[StrOrBytes],
-    env: list[StrOrBytes] | None,
+    argv: Sequence[StrOrBytes],
+    env: Sequence[StrOrBytes] | None,
     cwd: PathArg | None,
     user: str | None,
     timeout: float | None,
@@ -145,7 +147,7 @@ def upload_chunks(data: UploadData, sandbox_id: str | None) -> Iterator[BytesLik
     if isinstance(data, bytes | bytearray | memoryview):
         return _split(memoryview(data))
     if hasattr(data, "read"):
-        return _reads(data, sandbox_id)  # type: ignore[arg-type]
+        return _reads(cast(BinaryIO, data), sandbox_id)  # hasattr is not a type
     if isinstance(data, str) or not isinstance(data, Iterable):
         raise ConfigError(f"data must be bytes, a binary file or an iterable of bytes, got "
                           f"{type(data).__name__}", sandbox_id=sandbox_id)  # fmt: skip

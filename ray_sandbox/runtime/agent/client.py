@@ -24,7 +24,7 @@ import posixpath
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
@@ -60,7 +60,8 @@ from .args import (
 from .args import exec_fields as _exec_fields
 from .args import sandbox_path as _sandbox_path
 from .conn import Payload, _Conn, connect_agent_socket
-from .process import AgentProcess, _result
+from .process import AgentProcess as AgentProcess  # spawn() returns it: importable from here
+from .process import _result
 
 DEFAULT_MAX_OUTPUT = 16 * 1024 * 1024  # per stream, when exec()/spawn() get None
 READ_MAX = 64 * 1024 * 1024  # read_file's default max_bytes: it holds the bytes in memory
@@ -339,9 +340,9 @@ class AgentClient:
 
     def exec(
         self,
-        argv: list[StrOrBytes],
+        argv: Sequence[StrOrBytes],
         *,
-        env: list[StrOrBytes] | None = None,
+        env: Sequence[StrOrBytes] | None = None,
         cwd: str | None = None,
         user: str | None = None,
         timeout: float | None = None,
@@ -364,9 +365,9 @@ class AgentClient:
 
     def exec_stream(
         self,
-        argv: list[StrOrBytes],
+        argv: Sequence[StrOrBytes],
         *,
-        env: list[StrOrBytes] | None = None,
+        env: Sequence[StrOrBytes] | None = None,
         cwd: str | None = None,
         user: str | None = None,
         timeout: float | None = None,
@@ -405,7 +406,7 @@ class AgentClient:
                                           daemon=True, name="agent-stdin")  # fmt: skip
                 writer.start()
             started = False
-            sizes = {p.Reply.STDOUT: 0, p.Reply.STDERR: 0}
+            sizes: dict[int, int] = {p.Reply.STDOUT: 0, p.Reply.STDERR: 0}
             while True:
                 ftype, payload = conn.read_reply(deadline)
                 if ftype in sizes:
@@ -450,9 +451,9 @@ class AgentClient:
 
     def spawn(
         self,
-        argv: list[StrOrBytes],
+        argv: Sequence[StrOrBytes],
         *,
-        env: list[StrOrBytes] | None = None,
+        env: Sequence[StrOrBytes] | None = None,
         cwd: str | None = None,
         user: str | None = None,
         pty: tuple[int, int] | None = None,
@@ -575,7 +576,7 @@ class AgentClient:
             check_int(max_bytes, "max_bytes", sid)
         got = 0
 
-        def take(conn: _Conn, payload: Payload) -> Payload:
+        def take(conn: _Conn, payload: Payload) -> bytes:
             nonlocal got
             got += len(payload)
             if length is not None and got > length:
@@ -584,10 +585,9 @@ class AgentClient:
                 conn.close()
                 raise FileTooLargeError(f"{os.fsdecode(path)} is larger than "
                                         f"max_bytes={max_bytes}", sandbox_id=sid)  # fmt: skip
-            return payload  # bytes or bytearray: both behave as bytes for every caller
+            return bytes(payload)  # a frame over 64 KiB arrives as a bytearray (one copy)
 
-        return self._stream(p.request(p.Op.READ, fields), p.Stream.DATA, take,  # type: ignore[return-value]
-                            data_max=chunk)  # fmt: skip
+        return self._stream(p.request(p.Op.READ, fields), p.Stream.DATA, take, data_max=chunk)
 
     def write_file(
         self,

@@ -19,7 +19,13 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from ..errors import AgentProtocolError, AgentTimeoutError, SandboxDiedError, SandboxError
+from ..errors import (
+    AgentProtocolError,
+    AgentTimeoutError,
+    ProtocolError,
+    SandboxDiedError,
+    SandboxError,
+)
 from . import protocol as p
 
 T = TypeVar("T")
@@ -142,7 +148,8 @@ class _Conn:
                     views[0] = views[0][sent:]
                     sent = 0
 
-    def send_frame(self, ftype: int, payload: bytes | memoryview, deadline: float | None) -> None:
+    def send_frame(self, ftype: int, payload: bytes | bytearray | memoryview,
+                   deadline: float | None) -> None:
         self.send(p.HEADER.pack(len(payload), ftype), payload, deadline=deadline)
 
     # -- receiving --------------------------------------------------------------------------
@@ -180,9 +187,9 @@ class _Conn:
             got = self._recv_into(self._scratch, deadline)
             self._buf += self._scratch[:got]
             avail = len(self._buf)
-        out = bytes(self._buf[self._pos : self._pos + n])
+        small = bytes(self._buf[self._pos : self._pos + n])
         self._pos += n
-        return out
+        return small
 
     def read_frame(self, deadline: float | None, limit: int = p.FRAME_MAX) -> tuple[int, Payload]:
         """Any frame of at most ``limit`` payload bytes (checked before it is read)."""
@@ -202,11 +209,11 @@ class _Conn:
             raise self.violation(f"a {len(payload)}-byte data frame (1..{data_max} allowed)")
         return ftype, payload
 
-    def decode(self, parse: Callable[[bytes], T], payload: Payload) -> T:
+    def decode(self, parse: Callable[[Payload], T], payload: Payload) -> T:
         """Parses a payload; a malformed one means the peer is broken: drop it."""
         try:
-            return parse(payload)  # type: ignore[arg-type]
-        except p.ProtocolError as exc:
+            return parse(payload)
+        except ProtocolError as exc:
             raise self.violation(f"malformed frame: {exc}") from None
 
     def has_input(self) -> bool:

@@ -130,7 +130,8 @@ def decode_fields(payload: bytes | bytearray | memoryview) -> dict[int, list[byt
 def decode_int(raw: bytes) -> int:
     if len(raw) != _INT.size:
         raise ProtocolError(f"integer field of {len(raw)} bytes")
-    return _INT.unpack(raw)[0]
+    value: int = _INT.unpack(raw)[0]
+    return value
 
 
 def frame(ftype: int, payload: bytes | bytearray | memoryview = b"") -> bytes:
@@ -188,7 +189,7 @@ class Exit:
     retire: bool  # the handler closes the connection (descendants outlived the command)
 
 
-def parse_exit(payload: bytes) -> Exit:
+def parse_exit(payload: bytes | bytearray) -> Exit:
     f = decode_fields(payload)
     return Exit(
         exit_code=_int(f, Tag.EXIT_CODE),
@@ -200,16 +201,16 @@ def parse_exit(payload: bytes) -> Exit:
     )
 
 
-def parse_error(payload: bytes) -> tuple[int, str]:
+def parse_error(payload: bytes | bytearray) -> tuple[int, str]:
     f = decode_fields(payload)
     return _int(f, Tag.ERRNO), _one(f, Tag.MESSAGE, b"").decode("utf-8", "replace")
 
 
-def parse_pid(payload: bytes) -> int:
+def parse_pid(payload: bytes | bytearray) -> int:
     return _int(decode_fields(payload), Tag.PID)
 
 
-def parse_version(payload: bytes) -> str:
+def parse_version(payload: bytes | bytearray) -> str:
     return _one(decode_fields(payload), Tag.VERSION).decode("utf-8", "replace")
 
 
@@ -231,7 +232,7 @@ class Entry:
     link: bytes | None
 
 
-def parse_entry(payload: bytes) -> Entry:
+def parse_entry(payload: bytes | bytearray) -> Entry:
     f = decode_fields(payload)
     link = f.get(Tag.LINK)
     return Entry(

@@ -15,6 +15,7 @@ import signal
 import struct
 import threading
 import time
+from typing import Any
 
 from ..errors import SandboxStateError
 from ..results import ExecResult
@@ -202,7 +203,7 @@ class PythonContext:
 
     def _reply(
         self, proc: AgentProcess, deadline: float | None
-    ) -> tuple[dict, bytes, bytes] | None:
+    ) -> tuple[dict[str, Any], bytes, bytes] | None:
         """The next reply, or None if the deadline passed or the interpreter died."""
         while (reply := self._parse()) is None:
             left = None if deadline is None else deadline - time.monotonic()
@@ -214,7 +215,7 @@ class PythonContext:
             self._buf += data
         return reply
 
-    def _parse(self) -> tuple[dict, bytes, bytes] | None:
+    def _parse(self) -> tuple[dict[str, Any], bytes, bytes] | None:
         if len(self._buf) < _LEN.size:
             return None
         (hlen,) = _LEN.unpack_from(self._buf)

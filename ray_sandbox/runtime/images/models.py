@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -67,7 +68,7 @@ class ImageConfig(BaseModel):
     variant: str | None = None
 
     @classmethod
-    def from_oci(cls, blob: dict) -> ImageConfig:
+    def from_oci(cls, blob: dict[str, Any]) -> ImageConfig:
         """Build from an OCI/Docker config JSON (Go writes ``null`` for empty lists)."""
         inner = blob.get("config") or {}
         fields = {
@@ -114,7 +115,7 @@ class _RefRecord(BaseModel):
 
 class _Descriptor(BaseModel):
     digest: str
-    platform: dict | None = None
+    platform: dict[str, Any] | None = None
 
 
 class _Manifest(BaseModel):

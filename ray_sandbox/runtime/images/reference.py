@@ -69,7 +69,7 @@ class ImageRef(BaseModel):
     @property
     def built_here(self) -> bool:
         """A name given on this node to an image built here (``localhost/NAME``)."""
-        return self.transport is Transport.LOCAL and bool(self.repository) and \
+        return self.transport is Transport.LOCAL and self.repository is not None and \
             self.repository.startswith(f"{BUILT_NAMESPACE}/")
 
     @property

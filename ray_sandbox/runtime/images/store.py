@@ -5,6 +5,7 @@ Its files are described in :mod:`.storedir`."""
 
 from __future__ import annotations
 
+import builtins
 import errno
 import hashlib
 import os
@@ -249,7 +250,7 @@ class ImageStore:
                 images.append(image)
         return sorted(images, key=lambda i: i.ref)
 
-    def remove(self, ref_or_digest: str) -> list[str]:
+    def remove(self, ref_or_digest: str) -> builtins.list[str]:
         """Untag a reference (deleting the image when no reference is left) or delete an image
         by digest with all its references. Returns the digests deleted.
 
@@ -259,7 +260,7 @@ class ImageStore:
         untag = None if parsed is None else self._dir.ref_file(self._ref_key(parsed))
         return eviction.remove(self._dir, digest, untag=untag, name=ref_or_digest)
 
-    def prune(self, *, all_images: bool = False) -> list[str]:
+    def prune(self, *, all_images: bool = False) -> builtins.list[str]:
         """Delete unpinned images no reference points to (every unpinned one with
         ``all_images``), orphaned blobs and stale work directories. Returns deleted digests."""
         return eviction.prune(self._dir, all_images=all_images)
@@ -279,12 +280,12 @@ class ImageStore:
     def pins(self, digest: str) -> set[str]:
         return _pins.owners(self._dir, digest)
 
-    def pin_list(self) -> list[_pins.Pin]:
+    def pin_list(self) -> builtins.list[_pins.Pin]:
         """Every pin in the store, with the home and writer a sandbox's pin names."""
         return list(_pins.listing(self._dir))
 
     def unpin_stale(self, present: _pins.Present, *, own_home: Path | None = None,
-                    unknown: bool = False) -> list[_pins.Pin]:
+                    unknown: bool = False) -> builtins.list[_pins.Pin]:
         """Remove every pin :func:`.pins.stale` calls stale; returns them."""
         return [p for p in _pins.listing(self._dir)
                 if _pins.stale(p, present, own_home=own_home, unknown=unknown)
@@ -467,7 +468,7 @@ class ImageStore:
                           for e in top.manifests})
         raise PlatformNotFoundError(f"{ref} has no image for {self.platform}; it offers {offered}")
 
-    def _prelink(self, layout: Path, digests: list[str]) -> None:
+    def _prelink(self, layout: Path, digests: builtins.list[str]) -> None:
         """Hard-link blobs we already have into the new layout so skopeo skips downloading."""
         target = layout / "blobs" / "sha256"
         target.mkdir(parents=True, exist_ok=True)

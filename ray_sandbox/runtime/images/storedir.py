@@ -151,7 +151,8 @@ class StoreDir:
 def _rmtree(path: Path) -> None:
     """Delete a file or tree; read-only directories inside images are made writable first."""
 
-    def retry_writable(func: Callable[[str], object], name: str, exc_info: tuple) -> None:
+    def retry_writable(func: Callable[[str], object], name: str,
+                       exc_info: tuple[type[BaseException], BaseException, object]) -> None:
         if isinstance(exc_info[1], FileNotFoundError):
             return
         if not isinstance(exc_info[1], PermissionError):

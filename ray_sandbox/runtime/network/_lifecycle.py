@@ -10,8 +10,9 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -156,7 +157,7 @@ def _start_dns(
     with udp, tcp, contextlib.ExitStack() as holding:
         for s in held:
             holding.enter_context(s)
-        cfg = {
+        cfg: dict[str, Any] = {
             "table": st.tag, "nft_netns": nft_netns,
             "upstreams": list(config.dns or dns.DEFAULT_UPSTREAMS),
             "policy_path": str(state_dir / _state.POLICY_FILE),
@@ -167,7 +168,8 @@ def _start_dns(
         proc = dns.start(tag=st.tag, config=cfg, state_dir=state_dir, upstream=st.upstream,
                          fds=[udp.fileno(), tcp.fileno(), *cfg["held_fds"]])
         _step(st, state_dir, procs=[*st.procs, procs.track(proc, "dns")])
-        return udp.getsockname()[1]
+        port: int = udp.getsockname()[1]
+        return port
 
 
 def _write_policy(state_dir: Path, egress: EgressPolicy) -> None:
@@ -257,15 +259,15 @@ def _teardown(st: NetworkState, state_dir: Path) -> None:
             errors.append(str(exc))
 
     for ref in st.procs:
-        attempt(lambda ref=ref: procs.stop(ref))
+        attempt(partial(procs.stop, ref))
     if st.table and st.table_netns != st.netns:  # a table inside our netns goes with it
         attempt(lambda: nft.delete_table(st.table_netns, "inet", st.tag))
     if st.link:
-        attempt(lambda: ip.link_delete(st.upstream, st.link))
+        attempt(partial(ip.link_delete, st.upstream, st.link))
     if st.netns:
-        attempt(lambda: ip.netns_delete(st.netns))
+        attempt(partial(ip.netns_delete, st.netns))
     if st.api_socket:
-        attempt(lambda: Path(st.api_socket).unlink(missing_ok=True))
+        attempt(partial(Path(st.api_socket).unlink, missing_ok=True))
     if not errors:  # while anything is left, the lease keeps it visible to gc
         attempt(lambda: _release({st.sandbox_id}))
     if errors:
@@ -291,7 +293,7 @@ def _release(sandbox_ids: set[str]) -> None:
                 _netns.write_sysctl(upstream, "net.ipv4.ip_forward", a.forwarding.pop(key))
 
 
-def set_egress(sandbox_id: str, state_dir: Path, egress: EgressPolicy | dict) -> None:
+def set_egress(sandbox_id: str, state_dir: Path, egress: EgressPolicy | dict[str, Any]) -> None:
     """Replace the running sandbox's egress policy in one nft transaction; the DNS helper is
     told to reload. New and open connections see the new policy at once."""
     st = _state.load(state_dir)

@@ -24,10 +24,11 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from queue import Full, Queue
 from subprocess import Popen
+from typing import Any
 
 from .. import _proc
 from ..errors import SandboxError
@@ -121,7 +122,7 @@ def reply(query: bytes, rcode: int, answers: Sequence[str] = (), ttl: int = 60) 
 class Helper:
     """State of one running helper; :meth:`resolve` is the whole decision for one query."""
 
-    def __init__(self, cfg: dict) -> None:
+    def __init__(self, cfg: dict[str, Any]) -> None:
         self.table: str = cfg["table"]
         self.nft_netns: str | None = cfg["nft_netns"]
         self.upstreams: list[str] = cfg["upstreams"]
@@ -182,7 +183,7 @@ class Helper:
                 self._save()
         return answer
 
-    def _admit(self, found: dict[str, float]) -> None:
+    def _admit(self, found: Mapping[str, float]) -> None:
         if found:
             nft.apply(self.nft_netns, "\n".join(policy.dyn_elements(self.table, found)) + "\n")
 
@@ -218,7 +219,7 @@ class Helper:
         except OSError:
             return None
 
-    def serve_udp(self, queue: Queue) -> None:
+    def serve_udp(self, queue: Queue[tuple[bytes, Any]]) -> None:
         while True:
             query, peer = self.udp.recvfrom(65535)
             try:
@@ -226,7 +227,7 @@ class Helper:
             except Full:
                 pass  # a flood, or a slow upstream: the client retries or gives up
 
-    def work_udp(self, queue: Queue) -> None:
+    def work_udp(self, queue: Queue[tuple[bytes, Any]]) -> None:
         while True:
             query, peer = queue.get()
             try:
@@ -290,8 +291,9 @@ def _read_framed(s: socket.socket, deadline: float) -> bytes | None:
 
 
 def start(
-    *, tag: str, config: dict, state_dir: Path, upstream: str | None, fds: Sequence[int]
-) -> Popen:
+    *, tag: str, config: dict[str, Any], state_dir: Path, upstream: str | None,
+    fds: Sequence[int],
+) -> Popen[bytes]:
     """Start the helper for sandbox ``tag`` in netns ``upstream``, inheriting socket ``fds``."""
     path = state_dir / "dns.json"
     path.write_text(json.dumps(config))
@@ -319,7 +321,7 @@ def main(argv: Sequence[str]) -> None:
     signal.signal(signal.SIGHUP, lambda *_: hup.set())
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP, signal.SIGTERM})
-    queue: Queue = Queue(maxsize=UDP_BACKLOG)
+    queue: Queue[tuple[bytes, Any]] = Queue(maxsize=UDP_BACKLOG)
     for _ in range(UDP_WORKERS):
         threading.Thread(target=helper.work_udp, args=(queue,), daemon=True).start()
     threading.Thread(target=helper.serve_udp, args=(queue,), daemon=True).start()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from typing import Any
 
 from .. import _proc
 from ..errors import NetworkError, SandboxError
@@ -17,7 +18,8 @@ def _classify(rc: int, stderr: str) -> type[SandboxError]:
     return NetworkError
 
 
-def _ip(netns: str | None, *args: str, input: bytes | None = None, check: bool = True):
+def _ip(netns: str | None, *args: str, input: bytes | None = None,
+        check: bool = True) -> _proc.Completed:
     argv = ["ip", *(["-n", netns] if netns else []), *args]
     return _proc.run(argv, timeout=_TIMEOUT, input=input, check=check, classify=_classify)
 
@@ -95,6 +97,6 @@ def routes(netns: str | None) -> list[tuple[str, str]]:
     return [(r["dst"], r.get("dev", "")) for r in _json(netns, "-4", "route", "show")]
 
 
-def _json(netns: str | None, *args: str) -> list[dict]:
+def _json(netns: str | None, *args: str) -> list[dict[str, Any]]:
     out = _ip(netns, "-j", *args).stdout
     return json.loads(out) if out.strip() else []

@@ -50,7 +50,8 @@ def run_in(name: str | None, fn: Callable[[], T]) -> T:
     """
     if not name:
         return fn()
-    box: dict[str, object] = {}
+    value: list[T] = []  # what fn returned, or
+    error: list[BaseException] = []  # what it raised
 
     def target() -> None:
         try:
@@ -62,16 +63,16 @@ def run_in(name: str | None, fn: Callable[[], T]) -> T:
                     raise OSError(err, f"setns({name}): {os.strerror(err)}")
             finally:
                 os.close(fd)
-            box["value"] = fn()
+            value.append(fn())
         except BaseException as exc:  # handed to the caller's thread
-            box["error"] = exc
+            error.append(exc)
 
     thread = threading.Thread(target=target, name=f"netns-{name}")
     thread.start()
     thread.join()
-    if "error" in box:
-        raise box["error"]  # type: ignore[misc]
-    return box["value"]  # type: ignore[return-value]
+    if error:
+        raise error[0]
+    return value[0]
 
 
 def write_sysctl(name: str | None, key: str, value: str) -> str:

@@ -16,7 +16,8 @@ def _classify(rc: int, stderr: str) -> type[SandboxError]:
     return NetworkError
 
 
-def _nft(netns: str | None, *args: str, input: bytes | None = None, check: bool = True):
+def _nft(netns: str | None, *args: str, input: bytes | None = None,
+         check: bool = True) -> _proc.Completed:
     argv = [*_netns.enter(netns), "nft", *args]
     return _proc.run(argv, timeout=_TIMEOUT, input=input, check=check, classify=_classify)
 

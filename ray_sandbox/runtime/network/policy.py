@@ -123,7 +123,7 @@ def _elements(table: str, sets: Sets, dyn: Mapping[str, int]) -> list[str]:
     return lines
 
 
-def dyn_elements(table: str, dyn: Mapping[str, int]) -> list[str]:
+def dyn_elements(table: str, dyn: Mapping[str, float]) -> list[str]:
     """Lines adding resolved addresses (address -> seconds to keep) to the dyn sets."""
     lines = []
     for ver in (4, 6):

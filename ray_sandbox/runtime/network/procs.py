@@ -17,7 +17,7 @@ from .dns import MODULE
 from .settings import PREFIX
 
 _TAG_IN_ARG = re.compile(rf"(?:^|/)({PREFIX}-[0-9a-f]{{12}})$")
-_popens: dict[int, Popen] = {}  # children of this process, so stopping them also reaps them
+_popens: dict[int, Popen[bytes]] = {}  # children of this process, so stopping them also reaps them
 
 
 class ProcRef(BaseModel):
@@ -31,7 +31,7 @@ def _stat(pid: int) -> tuple[str, int] | None:
     return None if st is None else (st.state, st.start)
 
 
-def track(proc: Popen, what: str) -> ProcRef:
+def track(proc: Popen[bytes], what: str) -> ProcRef:
     _popens[proc.pid] = proc
     st = _stat(proc.pid)
     return ProcRef(pid=proc.pid, start=st[1] if st else 0, what=what)

@@ -13,9 +13,11 @@ import os
 import select
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from subprocess import Popen
+from typing import Any
 
 from .. import _proc
 from ..errors import ConfigError, NetworkError
@@ -28,8 +30,9 @@ _MAX_SUN_PATH = 107
 
 @dataclass
 class Starting:
-    proc: Popen
+    proc: Popen[bytes]
     ready_fd: int
+    argv: Sequence[str] = ()  # for errors: Popen.args is typed as any command form
 
 
 def start(*, netns: str, upstream: str | None, api_socket: Path, log: Path) -> Starting:
@@ -63,7 +66,7 @@ def start(*, netns: str, upstream: str | None, api_socket: Path, log: Path) -> S
         raise
     finally:
         os.close(w)
-    return Starting(proc, r)
+    return Starting(proc, r, argv)
 
 
 READY_TIMEOUT = 30.0  # it is ready in ~10 ms; a node busy starting Ray took over 5 s
@@ -82,7 +85,7 @@ def wait_ready(starting: Starting, log: Path, timeout: float = READY_TIMEOUT) ->
         code = starting.proc.poll()
         why = (f"exited with code {code} before it was ready" if code is not None
                else f"was not ready within {timeout:g} s (timeout)")
-        raise NetworkError(f"slirp4netns {why}", argv=starting.proc.args, stderr=tail)
+        raise NetworkError(f"slirp4netns {why}", argv=starting.argv, stderr=tail)
 
 
 def add_hostfwd(api_socket: Path, host_addr: str, host_port: int, guest_port: int) -> None:
@@ -98,7 +101,7 @@ def add_hostfwd(api_socket: Path, host_addr: str, host_port: int, guest_port: in
         raise NetworkError(f"cannot publish port {guest_port} on {host_addr}:{host_port}: {desc}")
 
 
-def _call(api_socket: Path, request: dict, timeout: float = 5.0) -> dict:
+def _call(api_socket: Path, request: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
@@ -112,6 +115,7 @@ def _call(api_socket: Path, request: dict, timeout: float = 5.0) -> dict:
         except OSError as exc:
             raise NetworkError(f"slirp4netns API {api_socket}: {exc}") from exc
     try:
-        return json.loads(data)
+        answer: dict[str, Any] = json.loads(data)
     except ValueError as exc:
         raise NetworkError(f"slirp4netns API answered {data[:200]!r}") from exc
+    return answer
