@@ -125,6 +125,7 @@ CAUGHT_BY = {
     "HostRetiringError": {"SandboxError"},
     "ImageBuildError": {"SandboxError"},
     "VolumeExistsError": {"SandboxError"},
+    "SandboxExistsError": {"SandboxError"},
     "VolumeNotFoundError": {"SandboxError", "SandboxNotFoundError"},
     "VolumeInUseError": {"SandboxError"},
     "SandboxDiedError": {"SandboxError"},

@@ -139,7 +139,7 @@ def test_port_urls_of_ray_sandboxes_name_no_tenant_and_only_published_ports():
     signed = ray_port_url(config, config.public_url + "/api/v1", "a" * 32, "node-1",
                           (8080,), 8080, ttl=3600)  # capped at 60 s
     token = signed["token"]
-    assert signed["url"] == f"https://svc.example/api/v1/ports/{'a' * 32}/8080/{token}/"
+    assert signed["url"] == f"https://svc.example/api/v1/ports/{'a' * 32}/8080/{token}"
     claims, _ = verify(b"k" * 32, token, signed["expires_at"] - 1)
     assert set(claims) == {"sid", "port", "node", "exp"}  # no tenant: no tenant route opens
     assert signed["expires_at"] - time.time() <= 60
