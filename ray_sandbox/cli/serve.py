@@ -57,6 +57,9 @@ def serve(
     tenant_policy: Annotated[Path | None, typer.Option(
         help="JSON file: what tenants' sandboxes may be, by default and per tenant (also "
              "RAY_SANDBOX_API_TENANT_POLICY; docs/security.md, 'Tenants')")] = None,
+    port_host_suffix: Annotated[str | None, typer.Option(
+        help="also give port URLs as <label>.SUFFIX (a wildcard DNS name for *.SUFFIX "
+             "pointing here): apps that redirect to absolute paths work")] = None,
     public_url: Annotated[str | None, typer.Option(
         help="where clients reach the service, for port URLs (also RAY_SANDBOX_API_PUBLIC_URL;"
              " default: the base each request came to)")] = None,
@@ -76,7 +79,8 @@ def serve(
                 "RAY_SANDBOX_API_TOKENS=TENANT=TOKEN,... or --tokens-file FILE (one "
                 "TENANT=TOKEN a line; also RAY_SANDBOX_API_TOKENS_FILE)")
     settings = {k: v for k, v in {"max_file_bytes": max_file_bytes, "audit_log": audit_log,
-                                  "num_replicas": replicas, "public_url": public_url}.items()
+                                  "num_replicas": replicas, "public_url": public_url,
+                                  "port_host_suffix": port_host_suffix}.items()
                 if v is not None}
     try:
         config = from_env(tokens_file=tokens_file, quotas=tuple(quota),

@@ -7,7 +7,7 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 from urllib.parse import parse_qsl
@@ -44,6 +44,7 @@ from ._state import connect
 PREFIX = "/api/v1"
 PUBLIC = frozenset({f"{PREFIX}/health", f"{PREFIX}/openapi.json"})
 PORTS = f"{PREFIX}/ports/"  # authorized by the signed token in the path (_ports.py)
+PORT_HOSTS = f"{PREFIX}/port-hosts/"  # a port's host form, routed here by its Host header
 MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 # which replica answered: the same answers come from any of them, this tells them apart
 REPLICA_HEADER = b"x-ray-sandbox-replica"
@@ -75,8 +76,10 @@ class Guard:
     """Outermost: 401 before anything is read, 413 past the body limit (the declared length
     or the bytes that arrive), one audit line per mutating call."""
 
-    def __init__(self, app: ASGIApp, config: ServiceConfig, replica: str) -> None:
+    def __init__(self, app: ASGIApp, config: ServiceConfig, replica: str,
+                 owner_of: Callable[[str], str | None] = lambda _: None) -> None:
         self._app = app
+        self._owners = owner_of  # sandbox id -> whose share its port's host form counts
         self._replica = (REPLICA_HEADER, replica.encode())
         self._config = config
         self._tokens = {t: s.get_secret_value().encode() for t, s in config.tokens.items()}
@@ -103,8 +106,12 @@ class Guard:
                                      f"{self._config.max_header_bytes} bytes in all")
             return
         headers = Headers(scope=scope)
+        name = _ports.port_host(self._config, headers.get("host", ""))
+        if name is not None:  # <label>.<suffix>: a port's own origin, whatever the path
+            scope = {**scope, "path": f"{PORT_HOSTS}{name}{scope['path']}",
+                     "raw_path": f"{PORT_HOSTS}{name}".encode() + scope.get("raw_path", b"")}
         tenant = None
-        if scope["path"] not in PUBLIC and not scope["path"].startswith(PORTS):
+        if scope["path"] not in PUBLIC and not scope["path"].startswith((PORTS, PORT_HOSTS)):
             tenant = authenticate(self._tokens, headers.get("authorization", ""))
             if tenant is None:
                 await _refuse(send, 401, "send Authorization: Bearer <token> with a valid "
@@ -112,6 +119,8 @@ class Guard:
                 return
         scope.setdefault("state", {})["tenant"] = tenant
         payer = tenant if tenant is not None else self._port_payer(scope["path"])
+        if payer is None and name is not None:  # whose the sandbox is, once a request told
+            payer = self._owner_of(name)
         share = self._share(payer, scope)
         if isinstance(share, str):
             await _refuse(send, 429, share)
@@ -133,6 +142,14 @@ class Guard:
         except _errors.HTTPException:
             return None
         return str(claims.get("tenant", RAY_CALLERS))
+
+    def _owner_of(self, name: str) -> str | None:
+        """Whose share a request to a port's host form counts against, once known."""
+        try:
+            sandbox_id, _ = _ports.label_for(self._config, name)
+        except _errors.HTTPException:
+            return None  # the route refuses it
+        return self._owners(sandbox_id) or RAY_CALLERS
 
     def _share(self, tenant: str | None, scope: Scope) -> bool | str:
         """Count the request against its tenant's share of this replica: whether it is a
@@ -164,7 +181,8 @@ class Guard:
 
     async def _bounded(self, scope: Scope, receive: Receive, send: Send, tenant: str | None,
                        headers: Headers) -> None:
-        raw = scope["path"].endswith(("/files", "/archive")) or scope["path"].startswith(PORTS)
+        raw = scope["path"].endswith(("/files", "/archive")) or \
+            scope["path"].startswith((PORTS, PORT_HOSTS))
         limit = self._config.max_file_bytes if raw else self._config.max_body_bytes
         try:
             declared = int(headers.get("content-length", "0"))
@@ -266,7 +284,7 @@ def build_app(config: ServiceConfig, sandboxes: Sandboxes | None = None) -> Any:
     for routes in (_sandbox_routes, _exec_routes, _file_routes, _port_routes, _link_routes,
                    _kept_routes, _volume_routes, _terminal_routes):
         routes(app, sandboxes, config)
-    return Guard(app, config, sandboxes.replica)
+    return Guard(app, config, sandboxes.replica, sandboxes.port_payer)
 
 
 def tenant(request: Request) -> str:
@@ -409,6 +427,21 @@ def _port_routes(app: FastAPI, sandboxes: Sandboxes, config: ServiceConfig) -> N
             node = (await sandboxes.alive(claims["tenant"], sandbox_id)).handle.node_id
         else:  # signed for a Ray caller (_ports.ray_port_url)
             node = await sandboxes.ray_alive(sandbox_id, claims["node"])
+        return await app.state.proxy.forward(request, node, port, path)
+
+    @app.api_route(f"{PREFIX}/port-hosts/{{name}}",
+                   methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"])
+    @app.api_route(f"{PREFIX}/port-hosts/{{name}}/{{path:path}}",
+                   methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"])
+    async def port_host(request: Request, name: str, path: str = "") -> Response:
+        """A published port at its own origin, ``<label>.<port_host_suffix>``: the guard
+        routes requests by their Host here; the label is the grant, as the path's token."""
+        sandbox_id, port = _ports.label_for(config, name)
+        tenant, node = await sandboxes.port_owner(sandbox_id)
+        if tenant is not None:
+            node = (await sandboxes.alive(tenant, sandbox_id)).handle.node_id
+        elif node is not None:
+            node = await sandboxes.ray_alive(sandbox_id, node)
         return await app.state.proxy.forward(request, node, port, path)
 
 def _link_routes(app: FastAPI, sandboxes: Sandboxes, config: ServiceConfig) -> None:

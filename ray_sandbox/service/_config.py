@@ -88,6 +88,11 @@ class ServiceConfig(BaseModel):
                                    description="where clients reach the service "
                                    "(scheme://host[:port], before /api/v1): port URLs use "
                                    "it (else a tenant's own request's base)")
+    port_host_suffix: str | None = Field(
+        None, pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)+$",
+        description="also give port URLs as <label>.<suffix> (a wildcard DNS name, and "
+                    "certificate, for *.<suffix> pointing at the service): the app then owns "
+                    "its whole origin, so absolute links and redirects work")
     served_at: str | None = Field(None, description="set by `start`: where its proxy listens; "
                                   "port URLs for Ray callers use it without public_url")
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import ray
@@ -61,8 +62,34 @@ def _signed(config: ServiceConfig, base: str, claims: dict[str, Any],
     token = _signing.sign(config.signing_key.get_secret_value().encode(),
                           {**claims, "exp": expires})
     # no trailing slash: Modal's tunnel URLs have none, and f"{url}/api" must not be //api
-    return {"url": f"{base}/ports/{claims['sid']}/{claims['port']}/{token}", "token": token,
-            "expires_at": expires}
+    out = {"url": f"{base}/ports/{claims['sid']}/{claims['port']}/{token}", "token": token,
+           "expires_at": expires}
+    if config.port_host_suffix:  # the host form: the app's own origin
+        where = urlsplit(base)
+        port = f":{where.port}" if where.port else ""
+        name = _signing.label(config.signing_key.get_secret_value().encode(), claims["sid"],
+                              claims["port"], int(expires))
+        out["host_url"] = f"{where.scheme}://{name}.{config.port_host_suffix}{port}"
+    return out
+
+
+def port_host(config: ServiceConfig, host_header: str) -> str | None:
+    """The label of a request made to ``<label>.<port_host_suffix>``, or None."""
+    suffix = config.port_host_suffix
+    host = host_header.rsplit(":", 1)[0].lower() if not host_header.startswith("[") else ""
+    if not suffix or not host.endswith("." + suffix):
+        return None
+    name = host[:-len(suffix) - 1]
+    return name if name and "." not in name else None
+
+
+def label_for(config: ServiceConfig, name: str) -> tuple[str, int]:
+    """The sandbox and port of a genuine, unexpired host label; else a 401."""
+    found, why = _signing.verify_label(config.signing_key.get_secret_value().encode(), name,
+                                       time.time())
+    if found is None:
+        raise _errors.refusal(401, f"port host refused: {why}")
+    return found
 
 
 def claims_for(config: ServiceConfig, sandbox_id: str, port: int, token: str) -> dict[str, Any]:

@@ -128,6 +128,8 @@ class Sandboxes:
         self._nodes_seen: dict[str, float] = {}  # node id -> when last seen alive
         self._nodes = Nodes(ray_node_addresses)  # what tenants' sandboxes never reach
         self._pending: dict[str, int] = {}  # tenant -> creates and copies being made here
+        # sandbox id -> (tenant, node, when seen): whose a port's host form is
+        self._owners: dict[str, tuple[str | None, str | None, float]] = {}
 
     async def _blocking(self, fn: Any, *args: Any) -> Any:
         return await anyio.to_thread.run_sync(fn, *args, limiter=self._threads)
@@ -297,6 +299,37 @@ class Sandboxes:
         if await self._state_on(node_id, sandbox_id) == SandboxState.TERMINATED:
             raise gone
         return node_id
+
+    async def port_owner(self, sandbox_id: str) -> tuple[str | None, str | None]:
+        """Whose sandbox this is, for a port's host form (its label names no tenant):
+        ``(tenant, None)`` for a tenant's, ``(None, node)`` for one made through Ray; looked
+        up on the hosts once and kept for ``NODE_SEEN_S``; unknown: 404."""
+        known = self._owners.get(sandbox_id)
+        if known is not None and known[2] > time.monotonic() - NODE_SEEN_S:
+            return known[0], known[1]
+        entry = self._entries.get(sandbox_id)
+        found: tuple[str | None, str | None] | None = (entry.tenant, None) if entry else None
+        if found is None:
+            for h in await self._blocking(actor.list, None):
+                if sandbox_id == h.name:  # a tenant's: its API id is its name
+                    status = await self.call(h.status.remote())
+                    found = (status.labels.get(TENANT_LABEL), None)
+                elif sandbox_id == h.sandbox_id:
+                    found = (None, h.node_id)
+                if found is not None:
+                    break
+        if found is None or found == (None, None):
+            raise _errors.refusal(404, f"no sandbox {sandbox_id!r}")
+        if len(self._owners) >= MAX_NODES_SEEN:
+            self._owners.clear()
+        self._owners[sandbox_id] = (*found, time.monotonic())
+        return found
+
+    def port_payer(self, sandbox_id: str) -> str | None:
+        """The tenant whose share a request to this sandbox's port counts against, if
+        this replica knows it already (the guard cannot wait for a lookup)."""
+        known = self._owners.get(sandbox_id)
+        return known[0] if known is not None else None
 
     # --- create, status, list, delete ------------------------------------------------------
 
