@@ -137,3 +137,42 @@ def test_a_handle_found_by_name_answers_ray_actor_methods_too(ray_cluster):
         assert config.workdir == "/w" and config.labels == {"team": "a"}  # ours taken out
     finally:
         ray.get(made.terminate.remote())
+
+
+def test_the_actor_class_gives_a_real_actor_that_ray_kill_ends(ray_cluster):
+    """Ray's tests hold Sandbox.remote(...) to be an ActorHandle and end it with ray.kill:
+    ours was a handle without an actor (isinstance failed, ray.kill raised ValueError)."""
+    from ray.actor import ActorHandle
+
+    from tests.fx_hostile import wait_until
+
+    ray = ray_cluster
+    actor = Sandbox.remote(image=BUSYBOX, shell="/bin/sh", workdir="/tmp")
+    assert isinstance(actor, ActorHandle)
+    assert ray.get(actor.get_instance_id.remote()).startswith("ray-sandbox-")
+    assert ray.get(actor.exec.remote("echo hi")).stdout == "hi\n"
+    ray.get(actor.write_file.remote("/tmp/f", "text"))
+    assert ray.get(actor.read_file.remote("/tmp/f")) == b"text"
+    assert len(sandbox.list()) == 1
+    ray.kill(actor)  # the sandbox goes with its actor
+    assert wait_until(lambda: not sandbox.list(), 30)
+    # the fast path stays a handle without an actor
+    assert not isinstance(sandbox.create(BUSYBOX, memory="64Mi"), ActorHandle)
+    sandbox.shutdown()
+
+
+def test_the_actor_class_body_refuses_private_options_as_ray_does(ray_cluster):
+    with pytest.raises(TypeError, match="_rootfs_type"):
+        Sandbox.__ray_actor_class__(image=BUSYBOX, shell="/bin/sh", _rootfs_type="overlayfs")
+
+
+def test_the_runtime_takes_rays_form_of_an_id_everywhere(runtime):
+    """Code written for Ray's SandboxRuntime passes the ids Ray shows (ray-sandbox-<hex>,
+    what get_instance_id returns). Our create returns the bare form (docs/compat.md, "Ids")."""
+    sid = runtime.create(image=BUSYBOX, memory="64Mi")
+    ray_form = "ray-sandbox-" + sid
+    assert runtime.exec(ray_form, "echo hi").stdout == "hi\n"
+    runtime.write_file(ray_form, "/tmp/f", "x")
+    assert runtime.read_file(ray_form, "/tmp/f") == b"x"
+    assert runtime.get_status(ray_form).state.value == "RUNNING"
+    runtime.delete(ray_form)

@@ -55,7 +55,14 @@ from . import metrics
 from .blocks import Block, Blocks, Shape, sweep_dead_nodes
 from .boots import BOOT_PARALLEL, Boots
 from .channel import ChannelServer
-from .labels import DETACHED_LABEL, HOST_PREFIX, NAME_LABEL, NAMESPACE, SUSPENDED_LABEL
+from .labels import (
+    DETACHED_LABEL,
+    HOST_PREFIX,
+    NAME_LABEL,
+    NAMESPACE,
+    OWNER_ACTOR_LABEL,
+    SUSPENDED_LABEL,
+)
 from .placement import PG_LABEL, bundle_label, pg_gone, release_reaped
 from .residents import Residents
 from .stock import Stock
@@ -145,7 +152,8 @@ class SandboxHost:
         """A sandbox under the caller's own reservation ``pg_hex`` (one that waited for room
         as pending Ray demand); the reservation is removed when the sandbox ends."""
         return self._here.start(pg_hex, None if detached else owner_job,
-                                lambda: self._boots.boot(config, pg_hex, name), name)
+                                lambda: self._boots.boot(config, pg_hex, name), name,
+                                config.labels.get(OWNER_ACTOR_LABEL))
 
     def create_many(self, config: SandboxConfig, bundle: Mapping[str, float], k: int,
                     detached: bool, owner_job: str | None = None, name: str | None = None,
@@ -165,7 +173,8 @@ class SandboxHost:
             try:
                 return self._here.start(
                     pg_hex, job, lambda: self._boots.hand_out(sid, config, pg_hex, name)
-                    if sid else self._boots.boot(config, pg_hex, name), name)
+                    if sid else self._boots.boot(config, pg_hex, name), name,
+                    config.labels.get(OWNER_ACTOR_LABEL))
             except SandboxError as exc:
                 return exc
             except Exception as exc:  # noqa: BLE001 - reported with the others, not raised
@@ -436,8 +445,10 @@ def _watch(host: SandboxHost) -> None:
         with here.lock:
             items = list(here.pgs.items())
             jobs = dict(here.jobs)
+            actors = dict(here.actors)
         live = set(host._rt.list())
         dead_jobs = _dead_jobs() if jobs else set()
+        dead_actors = {a for a in set(actors.values()) if _actor_dead(a)}
         gone: set[str] = set()
         if time.monotonic() >= next_sweep:
             next_sweep = time.monotonic() + every
@@ -449,7 +460,8 @@ def _watch(host: SandboxHost) -> None:
         for sid, pg_hex in items:
             if sid not in live:  # ended by its TTL or idle timeout
                 here.forget(sid)
-            elif jobs.get(sid) in dead_jobs or pg_hex in gone:
+            elif jobs.get(sid) in dead_jobs or pg_hex in gone or \
+                    actors.get(sid) in dead_actors:
                 log.info("the owner of %s is gone; deleting the sandbox", sid)
                 try:
                     host.delete(sid)
@@ -458,6 +470,16 @@ def _watch(host: SandboxHost) -> None:
         for pg_hex in gone:  # a block removed by hand: its sandboxes went above
             if host._blocks.owns(pg_hex):
                 host._blocks.drop(pg_hex)
+
+
+def _actor_dead(actor_id: str) -> bool:
+    """Whether the proxy actor of a sandbox (``Sandbox.remote``) is dead for good: killed,
+    or its job ended (one GCS read; proxies are few, each a worker process)."""
+    try:
+        info = ray._private.state.actors(actor_id)
+    except Exception:  # noqa: BLE001 - GCS hiccup: alive this round
+        return False
+    return bool(info) and info.get("State") == "DEAD"
 
 
 def _retire_if_idle(host: SandboxHost) -> bool:

@@ -29,6 +29,7 @@ class Residents:
         self.jobs: dict[str, str] = {}  # sandbox id -> owning job id (absent: detached)
         self.procs: dict[str, AgentProcess] = {}  # "<sandbox id>:<pid>" -> spawned process
         self.names: dict[str, str] = {}  # sandbox id -> the name it holds in the cluster
+        self.actors: dict[str, str] = {}  # sandbox id -> the proxy actor it dies with
         self.inflight = 0
         self.last_create = 0.0  # when the last create ended (monotonic)
         self.closing = False
@@ -57,7 +58,7 @@ class Residents:
             remove_pg(pg_hex)
 
     def start(self, pg_hex: str, owner_job: str | None, start: Callable[[], str],
-              name: str | None = None) -> str:
+              name: str | None = None, owner_actor: str | None = None) -> str:
         """``start()`` a sandbox under the reservation ``pg_hex`` and adopt it. Counted in
         flight so a shutdown can wait for it; refused once shutting down. The reservation
         is released if the sandbox never comes up."""
@@ -74,6 +75,8 @@ class Residents:
                     self.jobs[sid] = owner_job
                 if name:
                     self.names[sid] = name
+                if owner_actor:
+                    self.actors[sid] = owner_actor
                 n = len(self.pgs)
             metrics.set_live(self.node_id, n)
             return sid
@@ -93,6 +96,7 @@ class Residents:
             pg_hex = self.pgs.pop(sandbox_id, None)
             self.jobs.pop(sandbox_id, None)
             name = self.names.pop(sandbox_id, None)
+            self.actors.pop(sandbox_id, None)
             procs = [self.procs.pop(k) for k in list(self.procs) if k.startswith(sandbox_id)]
         for proc in procs:
             proc.close()

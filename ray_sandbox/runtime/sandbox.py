@@ -25,6 +25,7 @@ import asyncio
 import builtins
 import contextlib
 import functools
+import inspect
 import os
 import shutil
 import time
@@ -65,7 +66,7 @@ from .errors import (
 from .exec_request import stdin_bytes
 from .images import Image, ImageStore
 from .launch import Launcher, all_or_nothing, as_creation_error
-from .records import Records, SandboxRecord, check_id, owner_fields
+from .records import RAY_ID_PREFIX, Records, SandboxRecord, check_id, owner_fields, parse_id
 from .results import (
     ExecResult,
     FileInfo,
@@ -809,3 +810,21 @@ class SandboxRuntime:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _either_id(method: Callable[..., T]) -> Callable[..., T]:
+    @functools.wraps(method)
+    def wrapper(self: SandboxRuntime, sandbox_id: str, *args: Any, **kwargs: Any) -> T:
+        if isinstance(sandbox_id, str) and sandbox_id.startswith(RAY_ID_PREFIX):
+            sandbox_id = parse_id(sandbox_id)
+        return method(self, sandbox_id, *args, **kwargs)
+
+    return wrapper
+
+
+# Every verb takes a sandbox's id in our form or in Ray's (``ray-sandbox-<32 hex>``, what
+# ``get_instance_id`` shows): code written for Ray's SandboxRuntime passes either.
+for _name, _fn in list(vars(SandboxRuntime).items()):
+    if (not _name.startswith("_") and callable(_fn)
+            and list(inspect.signature(_fn).parameters)[1:2] == ["sandbox_id"]):
+        setattr(SandboxRuntime, _name, _either_id(_fn))
