@@ -280,9 +280,9 @@ class Runsc:
         """SIGKILL the sandbox's sentry and gofer (their ptrace stubs die with the sentry);
         returns the PIDs signalled. Starts no runsc process (``runsc state``/``kill`` cost
         ~20 ms of CPU each): the PIDs come from runsc's state file, or from a scan of /proc
-        if it has none (a ``runsc run`` killed half-way: docs/platform.md, "Leftovers of a
-        killed runsc run"). Only a process whose command line names this root and the id is
-        signalled, never one found by name."""
+        if it has none (a ``runsc run`` killed half-way: docs/platform.md,
+        "Leftovers of a killed runsc run"). Only a process whose command line names this root
+        and the id is signalled, never one found by name."""
         def names_it(args: list[str]) -> bool:
             return args[0] in _PROCESS_NAMES and any(sandbox_id in a for a in args)
 
