@@ -226,7 +226,8 @@ def density(rt: SandboxRuntime, n: int, reps: int) -> list[dict]:
     per_mem, per_pss, per_threads = [], [], []
     for _ in range(reps):
         before = _mem_available()
-        with ThreadPoolExecutor(4) as ex:  # 4 in flight, as PLATFORM §8
+        # 4 in flight, as in the 1,000-sandbox run of docs/platform.md, "Idle sandbox cost"
+        with ThreadPoolExecutor(4) as ex:
             ids = list(ex.map(lambda _: rt.create(image=BUSYBOX, memory="64Mi", cpu=CPU,
                                                   readonly=False), range(n)))
         try:

@@ -1,8 +1,8 @@
 """Fixtures for the agent tests: a native agent (a plain child process on the host) and
 hand-made gVisor sandboxes running the agent as PID 1.
 
-The gVisor bundle is built by hand here on purpose (busybox rootfs as in PLATFORM §6a, a
-minimal OCI config); the runtime's spec builder will replace it.
+The gVisor bundle is built by hand here on purpose (busybox rootfs as in docs/platform.md,
+"A busybox rootfs", a minimal OCI config); the runtime's spec builder will replace it.
 """
 
 from __future__ import annotations
@@ -258,7 +258,8 @@ def _start_sandbox(kind: str, agent_binary: Path) -> GvisorSandbox:
     box = GvisorSandbox(cid, work, client)
     argv = ["runsc", "--root", box.root, "--network=none", "--host-uds=create",
             "--platform=ptrace", "run", "--bundle", work, "--detach", cid]  # fmt: skip
-    # A detached sandbox keeps its stdio open (PLATFORM §9.2): files, never pipes.
+    # A detached sandbox keeps its stdio open (docs/platform.md, "Detached stdio"): files, never
+    # pipes.
     with open(work / "runsc.out", "wb") as out, open(work / "runsc.err", "wb") as err:
         proc = _proc.spawn(argv, stdout=out, stderr=err)
     try:
@@ -277,7 +278,7 @@ def _start_sandbox(kind: str, agent_binary: Path) -> GvisorSandbox:
 
 def _stop_sandbox(box: GvisorSandbox) -> None:
     box.client.close()
-    for _ in range(3):  # PLATFORM §9.8: a delete may need a retry
+    for _ in range(3):  # a delete may need a retry (docs/platform.md, "Delete retries")
         if box.runsc("delete", "-force", box.id, timeout=60, check=False).returncode == 0:
             break
     leftovers = [p for p in Path("/sys/fs/cgroup").glob(f"*/{box.id}") if p.is_dir()]

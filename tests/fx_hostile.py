@@ -29,8 +29,9 @@ HEAVY = bool(os.environ.get("RAY_SANDBOX_HEAVY"))
 F = TypeVar("F", bound=Callable[..., object])
 
 _CGROUP = Path("/sys/fs/cgroup")
-# A sandbox that grows past this many host tasks is killed by the watchdog: kernel.pid_max is
-# 32768 for the whole (shared) machine (PLATFORM §8), so no test may take more than a quarter.
+# A sandbox that grows past this many host tasks is killed by the watchdog: the kernel's default
+# pid_max, 32768, is shared by the whole machine (docs/platform.md, "Host task limits"), so no
+# test may take more than a quarter of it.
 TASK_CAP = 8000
 
 

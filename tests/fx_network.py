@@ -222,7 +222,8 @@ def host_server() -> Iterator[int]:
 
 
 def build_rootfs(root: Path) -> Path:
-    """busybox rootfs (PLATFORM §6a) plus /bin/fetch, a static big-buffer HTTP client."""
+    """busybox rootfs (docs/platform.md, "A busybox rootfs") plus /bin/fetch, a static
+    big-buffer HTTP client."""
     rootfs = root / "rootfs"
     for d in ("bin", "etc", "tmp", "proc", "dev", "sys", "root"):
         (rootfs / d).mkdir(parents=True, exist_ok=True)
@@ -348,7 +349,7 @@ def busybox_rootfs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def sandboxes(busybox_rootfs: Path, net_home: Path) -> Iterator[Sandboxes]:
-    _subreaper.ensure()  # fast runsc delete (PLATFORM §9.1)
+    _subreaper.ensure()  # fast runsc delete (docs/platform.md, "Orphaned runsc processes")
     yield Sandboxes(net_home / "sandboxes", busybox_rootfs)
 
 

@@ -2,9 +2,12 @@
 
 ``runsc run --detach`` leaves the sandbox and gofer processes orphaned. Re-parented to the VM's
 PID 1 they are reaped only every ~2 s, and ``runsc delete``/``kill``/``wait`` poll until the
-zombie is gone, so each takes ~1.7 s (PLATFORM §9.1). As a subreaper we inherit them and reap
-them at once. Processes started through :mod:`._proc` are left to their Popen, and children
-this process started by other means are left alone.
+zombie is gone, so each takes ~1.5 s (docs/platform.md, "Orphaned runsc processes"). As a
+subreaper we inherit them and reap them at once. Processes started through :mod:`._proc` are
+left to their Popen; any other exited child whose name is a runsc or helper name
+(``_REAPABLE_COMM``) is reaped, even one this process started itself, so those are started only
+through :mod:`._proc` (a plain ``subprocess.run`` of runsc may then see exit code 0). Other
+children are left alone.
 """
 
 from __future__ import annotations

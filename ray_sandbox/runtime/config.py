@@ -88,7 +88,7 @@ MAX_TIMEOUT = 7 * 86400.0
 AGENT_DIR = "/.rsb"  # the in-sandbox agent's own directory (docs/agent.md)
 # pids_limit="auto": the node's pid_max is shared by this many sandboxes at their limit, with
 # half of it left to everything else on the node; never below what ~110 guest processes need
-# on ptrace (a rollout forking 64 Python workers needs ~600), never above the old 4096.
+# on ptrace (a rollout forking 64 Python workers needs ~600), never above 4096.
 PLANNED_DENSITY = 32
 _AUTO_PIDS = (1024, 4096)
 _MIN_DISK = 2**20

@@ -45,8 +45,8 @@ from .volumes import VolumeStore
 _log = logging.getLogger(__name__)
 READY_TIMEOUT = 20.0
 # Background teardowns per runtime: each is mostly one `runsc delete` of a dead sandbox
-# (~20-50 ms; ~1.7 s if another process started it, PLATFORM §9.1), so two threads keep up
-# with the ~9 creates/s two cores allow.
+# (~20-50 ms; ~1.5 s if another process started it: docs/platform.md,
+# "Orphaned runsc processes"), so two threads keep up with the ~9 creates/s two cores allow.
 TEARDOWN_WORKERS = 2
 TEARDOWN_QUEUE = 64
 # How long a re-used id waits for its previous sandbox's running teardown: runsc delete's

@@ -92,8 +92,9 @@ def gc(records: Records, launcher: Launcher, snapshots: SnapshotStore) -> list[s
 
 def kill_stray_runsc(runsc: Runsc, live: set[str]) -> None:
     """Kill, and wait out, runsc processes of this root that belong to no live sandbox:
-    sandbox/gofer processes runsc no longer lists (a ``runsc run`` killed half-way,
-    PLATFORM §9.8) and runsc commands a dead owner left running."""
+    sandbox/gofer processes runsc does not list (a ``runsc run`` killed half-way:
+    docs/platform.md, "Leftovers of a killed runsc run") and runsc commands a dead owner left
+    running."""
     def stray(args: list[str]) -> bool:
         ids = [a for a in args if ID_RE.match(a)]
         return bool(ids) and not any(i in live for i in ids)

@@ -194,7 +194,7 @@ class Runsc:
         timeout: float = 60.0,
     ) -> None:
         """``runsc run --detach``. stdio go to files: the sandbox keeps them open forever, so
-        pipes would never reach EOF (PLATFORM §9.2)."""
+        pipes would never reach EOF (docs/platform.md, "Detached stdio")."""
         argv = [
             *prefix,
             *self._argv(
@@ -229,7 +229,8 @@ class Runsc:
         timeout: float = 120.0,
     ) -> None:
         """``runsc checkpoint --leave-running --compression=none``: the container keeps
-        running. Global flags must match the ones it was started with (PLATFORM §7)."""
+        running. Global flags must match the ones it was started with (docs/platform.md,
+        "Checkpoint and restore flags")."""
         argv = self._argv(
             "checkpoint", f"--image-path={image_path}", "--leave-running",
             "--compression=none", sandbox_id, flags=flags,
@@ -248,7 +249,8 @@ class Runsc:
         timeout: float = 120.0,
     ) -> None:
         """``runsc restore --detach``: a new container ``sandbox_id`` from a checkpoint,
-        with the same global flags as ``run`` and stdio in files (PLATFORM §9.2)."""
+        with the same global flags as ``run`` and stdio in files (docs/platform.md,
+        "Detached stdio")."""
         argv = [
             *prefix,
             *self._argv(
@@ -279,8 +281,9 @@ class Runsc:
         """SIGKILL the sandbox's sentry and gofer (their ptrace stubs die with the sentry);
         returns the PIDs signalled. Starts no runsc process (``runsc state``/``kill`` cost
         ~20 ms of CPU each): the PIDs come from runsc's state file, or from a scan of /proc
-        if it has none (a ``runsc run`` killed half-way, PLATFORM §9.8). Only a process whose
-        command line names this root and the id is signalled, never one found by name."""
+        if it has none (a ``runsc run`` killed half-way: docs/platform.md,
+        "Leftovers of a killed runsc run"). Only a process whose command line names this root
+        and the id is signalled, never one found by name."""
         def names_it(args: list[str]) -> bool:
             return args[0] in _PROCESS_NAMES and any(sandbox_id in a for a in args)
 
@@ -337,7 +340,7 @@ class Runsc:
         self, sandbox_id: str, *, timeout: float = _DEFAULT_TIMEOUT, retries: int = 2
     ) -> None:
         """``runsc delete --force``; idempotent. Retried: it can fail transiently right after a
-        restore (``context deadline exceeded``, PLATFORM §9.8)."""
+        restore (``context deadline exceeded``, docs/platform.md, "Delete retries")."""
         argv = self._argv("delete", "--force", sandbox_id)
         for attempt in range(retries + 1):
             try:
@@ -372,7 +375,8 @@ class Runsc:
         env: Sequence[str] = (),
         user: str | None = None,
     ) -> builtins.list[str]:
-        """argv for ``runsc exec`` with stdio on pipes (never regular files, PLATFORM §9.3)."""
+        """argv for ``runsc exec`` with stdio on pipes (never regular files: docs/platform.md,
+        "runsc exec output into a file")."""
         args: list[str] = []
         if cwd:
             args.append(f"--cwd={cwd}")

@@ -1,7 +1,8 @@
 """Entering network namespaces: argv prefixes for ``nsenter``/``unshare`` and in-process work.
 
 The ``/proc/sys/net`` mask that lets ``runsc --network=sandbox`` start on kernels >= 6.x lives
-here and only here (gVisor issue 10704, PLATFORM §4).
+here and only here (gVisor issue 10704;
+docs/platform.md, "Network: --network=sandbox on kernel 6.x").
 """
 
 from __future__ import annotations

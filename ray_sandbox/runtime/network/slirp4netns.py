@@ -43,7 +43,8 @@ def start(*, netns: str, upstream: str | None, api_socket: Path, log: Path) -> S
     r, w = os.pipe()
     argv = [
         *_netns.enter(upstream),
-        # --enable-sandbox unmounts every /run/netns bind of its mount namespace (PLATFORM §4)
+        # --enable-sandbox unmounts every /run/netns bind of its mount namespace
+        # (docs/platform.md, "Network: slirp4netns --enable-sandbox")
         *_netns.private_mounts(),
         "slirp4netns",
         "--configure",
