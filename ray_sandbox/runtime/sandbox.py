@@ -4,11 +4,13 @@ A facade of short verbs over the concept modules: ``launch`` (create/restore/des
 ``records`` (what the node knows), ``exec_request`` (what a command asks for), ``files``,
 ``checkpoint`` and ``snapshot`` (``runtime.snapshots``), ``volumes`` (``runtime.volumes``),
 ``reaper`` (TTL and gc) and
-``connections`` (agent clients), ``fs_image`` (filesystem images). It has ~60 methods and
-~790 lines because it is the stable public surface (tests/unit/public_api.json): each verb is
-a typed signature, a docstring and a few lines over those modules, and splitting it would
-split the API users call (``filesystem_image_in_use`` and ``delete_filesystem_image``, for
-example, are such verbs over ``fs_image`` and ``launch``). The longest
+``connections`` (agent clients), ``fs_image`` (filesystem images), ``verbs`` (the verb
+table: each verb's request, declared once). It has 55 methods because it is the stable public
+surface (tests/unit/public_api.json): each verb is a typed signature, a docstring and a few
+lines over those modules, and splitting it would split the API users call
+(``filesystem_image_in_use`` and ``delete_filesystem_image``, for example, are such verbs
+over ``fs_image`` and ``launch``); its deprecated snapshot aliases and awaitable twins are
+generated, not written out. The longest
 verb, ``personalize`` (a node host's stock hands a booted sandbox to its caller), is ~25
 lines of record and policy updates that belong to no other module; ``_idle_check`` (~25
 lines) reads the record and the agent client's activity, both of which only this facade
