@@ -219,6 +219,8 @@ def public_side(registry: str) -> Iterator[Side]:
         threading.Thread(target=srv.serve_forever, daemon=True).start()
         ports["private"] = serve(NS, PRIVATE, handler_class("private", hits, registry, "sink"),
                                  servers)
+        ports["proxy"] = serve(NS, PUBLIC, handler_class("proxy", hits, registry, "sink"),
+                               servers)
         loop, node, private = (f"127.0.0.1:{ports['node']}", f"{NODE_SIDE}:{ports['node']}",
                                f"{PRIVATE}:{ports['private']}")
         fronts = {"plain": ("plain", ""), "realm-loop": ("realm", loop),
@@ -291,10 +293,11 @@ def test_the_realm_reaches_the_nodes_loopback_from_the_nodes_network(side: Side,
 def test_an_isolated_pull_never_reaches_the_realm_on_the_nodes_side(
         side: Side, store: ImageStore, no_leaks: None, front: str):
     n = len(side.hits.seen)
-    with pytest.raises(RegistryUnreachableError):
+    with pytest.raises(RegistryUnreachableError) as info:
         store.get(f"{side.front(front)}/{IMAGE}", network="public")
+    assert "/token" in info.value.message and "connection refused" in info.value.message
     assert side.hits.at("node") == [h for h in side.hits.seen[:n] if h[0] == "node"]
-    assert SECRET not in json.dumps(side.hits.seen)
+    assert SECRET not in json.dumps(side.hits.seen[n:])
     assert side.hits.at(front)  # the front itself was reached: the path out works
     assert_store_clean(store)
 
@@ -311,8 +314,9 @@ def test_redirects_to_the_nodes_loopback_or_a_private_address(
     with scratch_dir("rsb-pull-store-") as root:
         isolated = ImageStore(root / "images", insecure_registries=side.registries())
         n = len(side.hits.at(sink))
-        with pytest.raises(RegistryUnreachableError):
+        with pytest.raises(RegistryUnreachableError) as info:
             isolated.get(f"{side.front(front)}/{IMAGE}", network="public")
+        assert "/blobs/" in info.value.message and "connection refused" in info.value.message
         assert side.hits.at(sink)[n:] == []
         assert_store_clean(isolated)
 
@@ -324,8 +328,9 @@ def test_a_name_that_resolves_to_the_nodes_side_reaches_nothing(
     answer on the node's side or a private one opens nothing (DNS rebinding)."""
     port = side.ports["node"] if name != "inside.rsbt.test" else side.ports["private"]
     n = len(side.hits.seen)
-    with pytest.raises(RegistryUnreachableError):
+    with pytest.raises(RegistryUnreachableError) as info:
         store.get(f"{name}:{port}/{IMAGE}", network="public")
+    assert f"{NAMES[name]}:{port}: connect: connection refused" in info.value.message
     assert side.hits.seen[n:] == []
 
 
@@ -337,6 +342,24 @@ def test_an_isolated_pull_works_by_address_and_by_name(side: Side, store: ImageS
     assert Path(image.rootfs, "bin", "busybox").exists()
 
 
+def test_an_isolated_pull_uses_no_proxy(side: Side, store: ImageStore, no_leaks: None,
+                                        monkeypatch: pytest.MonkeyPatch):
+    """A proxy connects for the pull wherever the proxy reaches, and the namespace would see
+    only the proxy's address: an isolated pull goes without one."""
+    for var in ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy"):
+        monkeypatch.setenv(var, f"http://{side.front('proxy')}")
+    ref = f"{side.front('plain')}/{IMAGE}"
+    n = len(side.hits.at("proxy"))
+    with suppress(SandboxError):
+        store.get(ref)  # the node's network: through the proxy
+    assert side.hits.at("proxy")[n:]
+    with scratch_dir("rsb-pull-store-") as root:
+        isolated = ImageStore(root / "images", insecure_registries=side.registries())
+        n = len(side.hits.at("proxy"))
+        isolated.get(ref, network="public")
+        assert side.hits.at("proxy")[n:] == []
+
+
 def test_a_stored_image_is_not_pulled_again(side: Side, store: ImageStore, no_leaks: None):
     """The cache answers whichever network pulled the image first: an isolated get of an
     image pulled on the node's network starts nothing and asks no registry."""
@@ -345,10 +368,10 @@ def test_a_stored_image_is_not_pulled_again(side: Side, store: ImageStore, no_le
     n = len(side.hits.seen)
     assert store.get(ref, network="public").digest == first.digest
     assert side.hits.seen[n:] == []
-    # by digest, from a front that redirects every blob to the node: the blobs are stored,
-    # so nothing is redirected and the pull is fine
-    pinned = f"{side.front('redirect-loop')}/lab/busybox@{first.digest}"
+    # another name of the same image is fetched (through the namespace) and finds it stored
+    pinned = f"{side.front('plain')}/lab/busybox@{first.digest}"
     assert store.get(pinned, network="public").digest == first.digest
+    assert len(store.list()) == 2 and {i.digest for i in store.list()} == {first.digest}
 
 
 def test_a_sandbox_runs_from_an_isolated_pull(side: Side, tmp_path: Path, no_leaks: None):

@@ -98,6 +98,7 @@ _DOMAIN_RE = re.compile(rf"^(\*\.)?({_LABEL}\.)*{_LABEL}$")
 
 NetworkMode = Literal["none", "public", "host", "sandbox"]
 Platform = Literal["ptrace", "systrap"]
+PullNetwork = Literal["node", "public"]
 
 
 def check_text(value: str, what: str) -> str:
@@ -252,6 +253,15 @@ class SandboxConfig(BaseModel):
     dns: tuple[str, ...] | None = None
     egress: EgressPolicy | None = None
     expose_ports: tuple[int, ...] = ()
+    pull_network: PullNetwork = Field(
+        "node",
+        description="where the node pulls the image from, if it must: 'node' = its own "
+        "network (whatever the registry, its auth realm or a redirect names, the node's "
+        "loopback included); 'public' = a network namespace of the pull's own whose "
+        "connections reach only public addresses (the 'public' network mode's egress, "
+        "checked by the kernel at every connection; needs root). A stored image is not "
+        "pulled again either way (docs/images.md, 'Pulls that reach only public addresses')",
+    )
     rootless: bool | Literal["auto"] = "auto"
     platform: Platform = "ptrace"
     directfs: bool = Field(

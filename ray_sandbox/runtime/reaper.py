@@ -17,6 +17,7 @@ from .errors import SandboxError
 from .images import ImageStore
 from .images.pins import Pin, stale
 from .launch import Launcher
+from .network import pull as network_pull
 from .records import ID_RE, Records, present
 from .runsc import Runsc
 from .snapshot import SnapshotStore
@@ -84,6 +85,7 @@ def gc(records: Records, launcher: Launcher, snapshots: SnapshotStore) -> list[s
             removed.append(c.id)
     kill_stray_runsc(runsc, live)
     network.gc(live, records.dir)
+    network_pull.reap()  # isolated pulls of processes that died (of any home)
     removed += snapshots.gc()
     unpin_stale(launcher.images, launcher.home)
     launcher.volumes.release_idle()  # e.g. a creator that died between mount and bind

@@ -90,9 +90,10 @@ class Skopeo:
     arch: str = field(default_factory=host_architecture)
     variant: str | None = None
     authfile: Path | None = None
+    prefix: tuple[str, ...] = ()  # runs skopeo elsewhere, e.g. in a pull's network namespace
 
     def _argv(self, tmpdir: Path | None, verb: str, *args: str) -> list[str]:
-        argv = ["skopeo", "--override-os", self.os, "--override-arch", self.arch]
+        argv = [*self.prefix, "skopeo", "--override-os", self.os, "--override-arch", self.arch]
         if self.variant:
             argv += ["--override-variant", self.variant]
         if tmpdir is not None:  # archives are unpacked here, not in /var/tmp

@@ -12,12 +12,14 @@ import os
 import re
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from contextlib import ExitStack
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
 from .. import image_builders, paths
+from ..config import PullNetwork
 from ..errors import (
     ImageError,
     ImageNotFoundError,
@@ -26,6 +28,7 @@ from ..errors import (
     RegistryUnreachableError,
     StoreFullError,
 )
+from ..network import pull as _pull
 from ..skopeo import Skopeo
 from ..umoci import Umoci
 from . import eviction
@@ -182,6 +185,7 @@ class ImageStore:
         policy: PullPolicy = PullPolicy.IF_NOT_PRESENT,
         timeout: float = DEFAULT_PULL_TIMEOUT,
         progress: Progress | None = None,
+        network: PullNetwork = "node",
     ) -> Image:
         """The image for ``ref``, pulled or built and unpacked first if needed.
 
@@ -189,17 +193,21 @@ class ImageStore:
         is re-resolved (a moved tag pulls the new image); ``NEVER`` never fetches. Locally built
         images (``ray-sandbox/…``) are only built when missing or made by another recipe
         (rebuild with :meth:`build`); ``localhost/…`` names are never fetched (:meth:`tag`).
+        ``network="public"`` pulls from a registry in a namespace of the pull's own that
+        reaches only public addresses (:mod:`..network.pull`); the cache is the same.
         """
         parsed = parse_reference(ref)
         refetch = policy is PullPolicy.ALWAYS and parsed.transport is not Transport.LOCAL
         return self._get(parsed, refetch=refetch, fetch=policy is not PullPolicy.NEVER,
-                         timeout=timeout, progress=progress)
+                         timeout=timeout, progress=progress, network=network)
 
     def pull(
-        self, ref: str, *, timeout: float = DEFAULT_PULL_TIMEOUT, progress: Progress | None = None
+        self, ref: str, *, timeout: float = DEFAULT_PULL_TIMEOUT, progress: Progress | None = None,
+        network: PullNetwork = "node",
     ) -> Image:
         """Re-resolve ``ref`` and fetch it if it changed (``get`` with ``ALWAYS``)."""
-        return self.get(ref, policy=PullPolicy.ALWAYS, timeout=timeout, progress=progress)
+        return self.get(ref, policy=PullPolicy.ALWAYS, timeout=timeout, progress=progress,
+                        network=network)
 
     def build(
         self, ref: str = f"{LOCAL_NAMESPACE}/python:latest", *, force: bool = False,
@@ -298,7 +306,7 @@ class ImageStore:
 
     def _get(
         self, ref: ImageRef, *, refetch: bool, fetch: bool, timeout: float,
-        progress: Progress | None,
+        progress: Progress | None, network: PullNetwork = "node",
     ) -> Image:
         key = self._ref_key(ref)
         if not refetch and (image := self._lookup(ref, key)) is not None:
@@ -314,7 +322,7 @@ class ImageStore:
                                 self._share_build(ref, key, deadline)) is not None:
                 return image
             try:
-                image = self._fetch(ref, key, deadline, progress or (lambda _: None))
+                image = self._fetch(ref, key, deadline, progress or (lambda _: None), network)
             except RegistryUnreachableError as exc:
                 raise RegistryUnreachableError(
                     f"{exc.message}. {_UNREACHABLE_HINT}", argv=exc.argv,
@@ -375,12 +383,22 @@ class ImageStore:
 
     # -- fetching -------------------------------------------------------------------------
 
-    def _fetch(self, ref: ImageRef, key: str, deadline: float, progress: Progress) -> Image:
+    def _fetch(self, ref: ImageRef, key: str, deadline: float, progress: Progress,
+               network: PullNetwork) -> Image:
         """Resolve, copy or build, verify, unpack and publish ``ref``; caller holds ref-<key>."""
+        with ExitStack() as pulling:  # a "public" pull's namespace: until the copy is made
+            skopeo = self._skopeo
+            if ref.transport is Transport.DOCKER and network == "public":
+                prefix = pulling.enter_context(_pull.isolated(_remaining(deadline)))
+                skopeo = replace(skopeo, prefix=tuple(prefix))
+            return self._fetch_with(skopeo, pulling, ref, key, deadline, progress)
+
+    def _fetch_with(self, skopeo: Skopeo, pulling: ExitStack, ref: ImageRef, key: str,
+                    deadline: float, progress: Progress) -> Image:
         resolved = None
         if ref.transport is Transport.DOCKER:
             progress(f"resolving {ref}")
-            resolved = self._resolve(ref, deadline)
+            resolved = self._resolve(skopeo, ref, deadline)
             known = self._dir.ref_record(key)
             if known and known.source_digest == resolved.source_digest and (
                 image := self._dir.load(known.digest, ref=str(ref), touch=True)
@@ -390,7 +408,8 @@ class ImageStore:
             with self._dir.workdir(f"ref-{key}") as work:
                 layout = work / "oci"
                 try:
-                    self._materialize(ref, resolved, layout, work, deadline, progress)
+                    self._materialize(skopeo, ref, resolved, layout, work, deadline, progress)
+                    pulling.close()  # nothing more to fetch
                     digest = self._ingest(layout, work, deadline, progress)
                 except ImageError as exc:
                     # umoci can crash on a full disk without saying so ("panic: d.nx != 0"
@@ -419,8 +438,8 @@ class ImageStore:
         return image
 
     def _materialize(
-        self, ref: ImageRef, resolved: _Resolved | None, layout: Path, work: Path,
-        deadline: float, progress: Progress,
+        self, skopeo: Skopeo, ref: ImageRef, resolved: _Resolved | None, layout: Path,
+        work: Path, deadline: float, progress: Progress,
     ) -> None:
         """Put ``ref`` as ``layout:image``: build a local image or copy it with skopeo."""
         if ref.transport is Transport.LOCAL:
@@ -440,18 +459,18 @@ class ImageStore:
             source = ref.at_digest(resolved.digest)  # exactly what was resolved
             self._prelink(layout, resolved.blobs)
         progress(f"copying {ref}")
-        self._skopeo.copy(source, f"oci:{layout}:{_TAG}", timeout=_remaining(deadline),
-                          src_tls_verify=not self._insecure(ref), tmpdir=work)
+        skopeo.copy(source, f"oci:{layout}:{_TAG}", timeout=_remaining(deadline),
+                    src_tls_verify=not self._insecure(ref), tmpdir=work)
 
     def _insecure(self, ref: ImageRef) -> bool:
         host = ref.host or ""
         return is_loopback(host) or ref.registry in self.insecure_registries \
             or host in self.insecure_registries
 
-    def _resolve(self, ref: ImageRef, deadline: float) -> _Resolved:
+    def _resolve(self, skopeo: Skopeo, ref: ImageRef, deadline: float) -> _Resolved:
         """Read the tag's manifest (one request) and pick the manifest for our platform."""
         tls = not self._insecure(ref)
-        raw = self._skopeo.inspect_raw(ref.source, timeout=_remaining(deadline), tls_verify=tls)
+        raw = skopeo.inspect_raw(ref.source, timeout=_remaining(deadline), tls_verify=tls)
         source_digest = _sha256(raw)
         top = _parse_manifest(raw, ref)
         if not top.is_index:
@@ -459,8 +478,8 @@ class ImageStore:
         for entry in top.manifests:
             p = entry.platform or {}
             if self.platform.matches(p.get("os", ""), p.get("architecture", ""), p.get("variant")):
-                raw = self._skopeo.inspect_raw(ref.at_digest(entry.digest),
-                                               timeout=_remaining(deadline), tls_verify=tls)
+                raw = skopeo.inspect_raw(ref.at_digest(entry.digest),
+                                         timeout=_remaining(deadline), tls_verify=tls)
                 return _Resolved(source_digest, entry.digest,
                                  _blob_digests(_parse_manifest(raw, ref)))
         offered = sorted({_platform_label(*((e.platform or {}).get(k) for k in

@@ -37,6 +37,14 @@ def private_mounts() -> list[str]:
     return ["unshare", "--mount", "--propagation", "private", "--"]
 
 
+def enter_with_resolv(name: str, resolv_conf: Path) -> list[str]:
+    """Prefix that runs a command in netns ``name`` with ``resolv_conf`` as its
+    /etc/resolv.conf, as ``ip netns exec`` does with /etc/netns/NAME/resolv.conf, but with no
+    file in /etc: the bind is made in a mount namespace of the command's own and ends with it."""
+    script = 'mount --bind "$1" /etc/resolv.conf && shift && exec "$@"'
+    return [*enter(name), *private_mounts(), "sh", "-c", script, "rsb-resolv", str(resolv_conf)]
+
+
 def mask_proc_sys_net() -> list[str]:
     """Prefix for ``runsc run|restore --network=sandbox``: hide /proc/sys/net from that process
     only, because runsc takes its presence to mean "root netns" and refuses to start."""

@@ -35,6 +35,12 @@ class NodeSettings(BaseModel):
     upstream_netns: str | None = None
     expose_addr: str = "127.0.0.1"
     veth_pool: str = "10.213.0.0/16"
+    pull_dns: tuple[str, ...] = ()  # resolvers of isolated pulls; () = the node's own
+
+    @field_validator("pull_dns")
+    @classmethod
+    def _resolvers(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(str(ipaddress.ip_address(a)) for a in v)
 
     @field_validator("expose_addr")
     @classmethod
@@ -64,6 +70,8 @@ def settings() -> NodeSettings:
             upstream_netns=env.get("RAY_SANDBOX_NET_UPSTREAM") or None,
             expose_addr=env.get("RAY_SANDBOX_NET_EXPOSE_ADDR", "127.0.0.1"),
             veth_pool=env.get("RAY_SANDBOX_NET_POOL", "10.213.0.0/16"),
+            pull_dns=tuple(a.strip() for a in env.get("RAY_SANDBOX_NET_PULL_DNS", "").split(",")
+                           if a.strip()),
         )
     except ValueError as exc:
         raise ConfigError(f"invalid RAY_SANDBOX_NET_* setting: {exc}") from None
