@@ -35,6 +35,7 @@ from ..runtime.config import (
     EgressPolicy,
     NetworkMode,
     Platform,
+    PullNetwork,
     SandboxConfig,
     parse_size,
 )
@@ -88,6 +89,10 @@ class TenantPolicy(BaseModel):
     rootless: bool | Literal["auto"] = Field("auto", description="the operator's setting")
     platform: Platform = Field("ptrace", description="the operator's setting")
     directfs: bool = Field(True, description="the operator's setting (False hardens)")
+    pull_network: PullNetwork = Field(
+        "public", description="the operator's setting: 'public' pulls a tenant's image where "
+        "only public addresses are reachable; a registry listed in registries is pulled "
+        "from the node's network")
 
     @field_validator("disk_default", "disk_max", "max_memory", mode="before")
     @classmethod
@@ -404,6 +409,25 @@ def _operator(name: str) -> Rule:
     return rule
 
 
+def _listed(policy: TenantPolicy, image: Any) -> bool:
+    """Whether ``image`` is on a registry the operator listed (and trusts)."""
+    try:
+        ref = parse_reference(image) if isinstance(image, str) else None
+    except ImageReferenceError:
+        return False
+    return ref is not None and ref.transport is Transport.DOCKER and \
+        ref.registry in policy.registries
+
+
+def _pulls(a: Ask) -> None:
+    """the operator's: the policy's value, 'public' by default (the pull reaches only public
+    addresses: no realm, redirect or name leads it to the node's side); 'node' for a registry
+    listed in registries"""
+    wanted = "node" if _listed(a.policy, a.given.get("image")) else a.policy.pull_network
+    if a.config.pull_network != wanted:
+        raise Refused("pull_network", f"the operator's to set (here {wanted!r})")
+
+
 def _volumes(_: Ask) -> None:
     """the tenant's own volumes, by the names it gave them (mapped by the service)"""
 
@@ -425,9 +449,9 @@ RULES: dict[str, Rule] = {
     "idle_timeout_seconds": _free, "timeout_seconds": _free, "network": _network, "dns": _dns,
     "egress": _egress, "expose_ports": _ports, "rootless": _operator("rootless"),
     "platform": _operator("platform"), "directfs": _operator("directfs"), "docker": _docker,
-    "labels": _labels, "spec_transform": _never,
+    "labels": _labels, "spec_transform": _never, "pull_network": _pulls,
 }  # fmt: skip
-OPERATOR_FIELDS = ("rootless", "platform", "directfs")
+OPERATOR_FIELDS = ("rootless", "platform", "directfs", "pull_network")
 
 
 def describe() -> dict[str, str]:
@@ -446,6 +470,8 @@ def fill(policy: TenantPolicy, given: Mapping[str, Any],
         if name in given and given[name] != wanted:
             raise Refused(name, f"the operator's to set (here {wanted!r})")
         out[name] = wanted
+    if _listed(policy, given.get("image")):
+        out["pull_network"] = "node"  # the operator's registry, where it redirects included
     if given.get("disk") is None:  # the policy's default, not the Ray layer's
         out["disk"] = policy.disk_default
     if given.get("pids_limit", "auto") == "auto" and policy.pids_max < AUTO_PIDS_MAX:
