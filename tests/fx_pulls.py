@@ -1,14 +1,17 @@
 """A "public" side for image pull tests, in a topology of the test's own making::
 
-    node's netns (127.0.0.1: a sink, 198.18.91.1: a sink)  --veth rsbt-p0/p1-->  rsbt-pull
-                                                                   198.18.91.2: the fronts, DNS
+    node's netns (127.0.0.1: a sink, 192.88.99.1: a sink)  --veth rsbt-p0/p1-->  rsbt-pull
+                                                                   192.88.99.2: the fronts, DNS
                                                                    10.99.91.5: a sink (private)
 
 The fronts pass requests to a real registry (tests/fx_images.py, on the node's loopback), or
 point skopeo elsewhere: an auth realm or a redirect to the node's loopback, its own address or
 a private one. Sinks stand for services on the node's side and record what reaches them.
-Everything is named ``rsbt-*`` (never ``rsb-*``), so ``network.leftovers()`` stays about the
-package; the namespace and the veth are removed at exit.
+The "public" /30 is a global block (192.88.99.0/24, the deprecated 6to4 relay anycast, which
+carries no HTTP), routed to the test's namespace only while the side runs: the service refuses
+tenants the benchmarking and documentation ranges, so a registry there would never reach a
+pull. Everything is named ``rsbt-*`` (never ``rsb-*``), so ``network.leftovers()`` stays about
+the package; the namespace and the veth are removed at exit.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from ray_sandbox.runtime.network import dns, ip
 from ray_sandbox.runtime.network import netns as _netns
 
 NS, NODE_END, FAR_END = "rsbt-pull", "rsbt-p0", "rsbt-p1"
-NODE_SIDE, PUBLIC, PRIVATE = "198.18.91.1", "198.18.91.2", "10.99.91.5"
+NODE_SIDE, PUBLIC, PRIVATE = "192.88.99.1", "192.88.99.2", "10.99.91.5"
 SECRET = "NODE-LOCAL-SECRET-42"
 NAMES = {"good.rsbt.test": PUBLIC, "loop.rsbt.test": "127.0.0.1", "node.rsbt.test": NODE_SIDE,
          "inside.rsbt.test": PRIVATE}

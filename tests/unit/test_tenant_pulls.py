@@ -15,7 +15,7 @@ from ray_sandbox.runtime.config import SandboxConfig, make_config
 from ray_sandbox.service._policy import TenantPolicy, admit
 
 NODES = ("192.0.2.10",)
-NAMES = {"registry.example": ["203.0.113.5"], "mirror.internal": ["10.1.2.3"]}
+NAMES = {"registry.example": ["93.184.216.34"], "mirror.internal": ["10.1.2.3"]}
 
 
 def run(given: dict[str, Any], policy: TenantPolicy | None = None) -> SandboxConfig:
