@@ -26,9 +26,11 @@ def run_mypy() -> list[tuple[str, str]]:
     check."""
     proc = subprocess.run([sys.executable, "-m", "mypy", "ray_sandbox"], cwd=ROOT,
                           capture_output=True, text=True, timeout=1200)
-    if proc.returncode not in (0, 1):
+    errors = [(m[1], line) for line in proc.stdout.splitlines() if (m := ERROR.match(line))]
+    # exit 1 means "errors found": it must come with errors (a missing mypy also exits 1)
+    if proc.returncode not in (0, 1) or (proc.returncode == 1 and not errors):
         sys.exit(f"mypy failed (exit {proc.returncode}):\n{proc.stdout}{proc.stderr}")
-    return [(m[1], line) for line in proc.stdout.splitlines() if (m := ERROR.match(line))]
+    return errors
 
 
 def main(update: bool) -> int:

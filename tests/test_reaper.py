@@ -18,7 +18,7 @@ OWNER = textwrap.dedent(
     import sys, time
     from ray_sandbox.runtime import SandboxRuntime
     rt = SandboxRuntime(sys.argv[1])
-    disk = None if sys.argv[2] == "-" else sys.argv[2]
+    disk = "unlimited" if sys.argv[2] == "-" else sys.argv[2]
     ids = [rt.create(image="ray-sandbox/busybox", memory="64Mi", cpu=0.2,
                      readonly=(i % 2 == 0), workdir="/w", disk=disk) for i in range(5)]
     print(" ".join(ids), flush=True)
@@ -27,7 +27,7 @@ OWNER = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("disk", ["-", "16Mi"])  # with disk=: a loop-mounted ext4 each
+@pytest.mark.parametrize("disk", ["-", "16Mi"])  # "-": no cap (no loop); else an ext4 each
 def test_sigkilled_owner_is_reaped(rt_home, image_store, busybox_image, disk):
     proc = subprocess.Popen([sys.executable, "-c", OWNER, str(rt_home), disk],
                             stdout=subprocess.PIPE, text=True,

@@ -541,7 +541,8 @@ class SandboxConfig(BaseModel):
 # What a running, never-used sandbox can still take on when it is handed out (the record,
 # the exec defaults, an nft policy): everything else shapes its boot.
 PERSONAL_FIELDS = frozenset({"env", "labels", "ttl_seconds", "timeout_seconds", "user",
-                             "workdir", "egress", "shell", "idle_timeout_seconds"})
+                             "workdir", "egress", "shell", "idle_timeout_seconds",
+                             "pull_network"})  # how its image was fetched: before any boot
 
 
 def boot_key(cfg: SandboxConfig) -> str | None:
