@@ -176,3 +176,23 @@ def test_the_runtime_takes_rays_form_of_an_id_everywhere(runtime):
     assert runtime.read_file(ray_form, "/tmp/f") == b"x"
     assert runtime.get_status(ray_form).state.value == "RUNNING"
     runtime.delete(ray_form)
+
+
+def test_the_blogs_python_and_pip_snippets_run(ray_cluster):
+    """Ray's announcement calls `python -c ...` and `pip install ...` in a sandbox: both got
+    exit 127 here (the image had neither). pip reaches PyPI where the node's network lets a
+    sandbox through; where it cannot (no route, or a TLS interception the image does not
+    trust, as on this machine kind), pip's own error says so, never a missing command."""
+    ray = ray_cluster
+    sb = sandbox.create(PY, network="public", memory="512Mi", cpu=1.0)
+    try:
+        assert ray.get(sb.exec.remote("python -c 'import sys; print(sys.version_info[0])'")
+                       ).stdout == "3\n"
+        res = ray.get(sb.exec.remote("pip install --no-cache-dir six", timeout=240))
+        assert res.exit_code != 127, res.stderr
+        if res.exit_code != 0:
+            assert "ERROR:" in res.stdout + res.stderr, res.stdout + res.stderr
+        else:
+            assert ray.get(sb.exec.remote("python -c 'import six'")).exit_code == 0
+    finally:
+        ray.get(sb.terminate.remote())
