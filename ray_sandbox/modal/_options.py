@@ -12,6 +12,8 @@ from ..runtime.errors import ModalInvalidError
 APP_LABEL = "modal.app"  # the App a sandbox was created for: Sandbox.list(app_id=) filters it
 PORTS_LABEL = "modal.ports"  # its unencrypted ports, for tunnels() on any handle of it
 ENCRYPTED_LABEL = "modal.encrypted_ports"  # ... and its encrypted ones (through the service)
+PROBE_LABEL = "modal.probe"  # its readiness probe, for wait_until_ready() on any handle of it
+MODAL_LABELS = (APP_LABEL, PORTS_LABEL, ENCRYPTED_LABEL, PROBE_LABEL)
 DEFAULT_IMAGE = "ray-sandbox/python"  # Modal's default image is a Debian with Python
 
 # Modal's create() arguments that need what this backend does not have (docs/compat.md):
@@ -23,11 +25,12 @@ UNSUPPORTED = {
     "pty": "pty on create", "pty_info": "pty_info",
     "h2_ports": "HTTP/2 tunnels (h2_ports)", "custom_domain": "custom_domain",
     "proxy": "proxy", "inbound_cidr_allowlist": "inbound_cidr_allowlist",
-    "readiness_probe": "readiness_probe",
     "include_oidc_identity_token": "include_oidc_identity_token",
     "experimental_options": "experimental_options",
-    "_experimental_enable_snapshot": "_experimental_enable_snapshot",
-    "runtime": "runtime", "client": "client (there is no Modal client here)",
+    "_experimental_persistent": "_experimental_persistent",
+    "_experimental_outbound_policy": "_experimental_outbound_policy (header injection outside "
+                                     "the sandbox)",
+    "client": "client (there is no Modal client here)",
     "environment_name": "environment_name",
 }
 
@@ -41,9 +44,21 @@ def refuse(options: Mapping[str, Any], what: str) -> None:
                                       "not supported by ray_sandbox.modal (docs/compat.md)")
 
 
-def _limit(value: Any) -> Any:
-    """Modal's ``(request, limit)`` pairs: a sandbox reserves in Ray what it may use."""
-    return value[1] if isinstance(value, tuple) else value
+def _limit(what: str, value: Any, limit: Any) -> Any:
+    """Modal's ``(request, limit)`` pairs, or a request and a ``<what>_limit``: a sandbox
+    reserves in Ray what it may use, the limit when there is one."""
+    if isinstance(value, tuple | list):
+        if len(value) != 2:
+            raise ModalInvalidError(f"{what}= takes a number or a (request, limit) pair")
+        if limit is not None:
+            raise ModalInvalidError(f"{what}=(request, limit) and {what}_limit= both set "
+                                    "a limit")
+        value, limit = value
+    if limit is None:
+        return value
+    if value is not None and limit < value:
+        raise ModalInvalidError(f"{what}_limit={limit} is below the request {what}={value}")
+    return limit
 
 
 def create_options(
@@ -54,6 +69,8 @@ def create_options(
     outbound_domain_allowlist: Sequence[str] | None, unencrypted_ports: Sequence[int] = (),
     encrypted_ports: Sequence[int] = (),
     volumes: Mapping[str, Any] | None = None, idle_timeout: float | None = None,
+    outbound_cidr_allowlist: Sequence[str] | None = None, cpu_limit: float | None = None,
+    memory_limit: int | None = None, runtime: str | None = None, probe: str | None = None,
     others: Mapping[str, Any],
 ) -> dict[str, Any]:
     """:func:`ray_sandbox.create` keyword arguments for Modal's ``Sandbox.create``."""
@@ -61,6 +78,14 @@ def create_options(
         if key not in UNSUPPORTED:  # as Python (and Modal) would: a typo must not pass
             raise TypeError(f"Sandbox.create() got an unexpected keyword argument {key!r}")
     refuse(others, "Sandbox.create")
+    if runtime not in (None, "gvisor"):  # every sandbox here is gVisor's
+        raise NotImplementedError(f"Sandbox.create(runtime={runtime!r}): sandboxes here run "
+                                  "under gVisor only (runtime='gvisor') (docs/compat.md)")
+    if cidr_allowlist is not None and outbound_cidr_allowlist is not None:
+        raise ModalInvalidError("cidr_allowlist is the old name of outbound_cidr_allowlist: "
+                                "give one of them")
+    if outbound_cidr_allowlist is not None:
+        cidr_allowlist = outbound_cidr_allowlist
     merged: dict[str, str] = {}
     for secret in secrets_env:
         merged.update(secret)
@@ -75,7 +100,8 @@ def create_options(
                    **({PORTS_LABEL: ",".join(map(str, unencrypted_ports))}
                       if unencrypted_ports else {}),
                    **({ENCRYPTED_LABEL: ",".join(map(str, encrypted_ports))}
-                      if encrypted_ports else {})},
+                      if encrypted_ports else {}),
+                   **({PROBE_LABEL: probe} if probe else {})},
         # Modal's sandboxes reach the internet unless blocked: ours through network
         # "public" (private and metadata addresses stay denied, docs/network.md)
         "network": "none" if block_network else "public",
@@ -95,8 +121,8 @@ def create_options(
         out["name"] = name
     if workdir is not None:
         out["workdir"] = workdir
-    if cpu is not None:
-        out["cpu"] = _limit(cpu)
-    if memory is not None:
-        out["memory"] = f"{_limit(memory)}Mi"  # Modal counts MiB
+    if (cpu := _limit("cpu", cpu, cpu_limit)) is not None:
+        out["cpu"] = cpu
+    if (memory := _limit("memory", memory, memory_limit)) is not None:
+        out["memory"] = f"{memory}Mi"  # Modal counts MiB
     return out

@@ -1,19 +1,20 @@
-"""Modal's ``App``, ``Image`` and ``Secret``, as far as sandboxes use them: an App is a
-name its sandboxes are labelled with, an Image an image reference, a Secret environment
-variables."""
+"""Modal's ``App`` and ``Secret``, as far as sandboxes use them: an App is a name its
+sandboxes are labelled with, a Secret environment variables. (``Image``: image.py.)"""
 
 from __future__ import annotations
 
 import os
-import re
-import warnings
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
-from ..runtime.errors import ModalInvalidError, ModalNotFoundError
-from ..runtime.image_builders import PYTHON_IMAGES
+from ..runtime.errors import ModalNotFoundError
 from ._aio import static
-from ._options import DEFAULT_IMAGE, refuse
+from ._options import refuse
+from ._refuse import refused, refused_static
+
+_PLATFORM = "Modal Functions and deployed apps are not part of ray_sandbox.modal, which has "\
+    "Modal's sandboxes"
 
 
 class App:
@@ -34,71 +35,16 @@ class App:
         refuse({"environment_name": environment_name, "client": client}, "App.lookup")
         return App(name)
 
-
-class Image:
-    """An image reference. Building images (``pip_install``, ``run_commands``, …) is not
-    supported: build it from a Dockerfile (docs/docker.md, "Dockerfile builds") and use
-    ``from_registry``."""
-
-    def __init__(self, ref: str) -> None:
-        self.ref = ref
-        self.object_id = ref
-
-    def __repr__(self) -> str:
-        return f"Image({self.ref!r})"
-
-    @static
-    def from_registry(tag: str, secret: Any = None, **options: Any) -> Image:
-        """Any reference ray_sandbox pulls: a registry tag, ``oci:``, ``ray-sandbox/…``."""
-        refuse({"secret": secret, **options}, "Image.from_registry")
-        return Image(tag)
-
-    @static
-    def debian_slim(python_version: str | None = None, force_build: bool = False) -> Image:
-        """``ray-sandbox/python``, built offline from Debian's packages: Python 3.11
-        (bookworm) by default, ``ray-sandbox/python:<version>`` for a ``python_version``, the
-        nearest offered one (a warning says so) within one minor version; a version further
-        off raises ``InvalidError`` naming what is offered (docs/images.md)."""
-        refuse({"force_build": force_build}, "Image.debian_slim")
-        if python_version is None:
-            return Image(DEFAULT_IMAGE)
-        return Image(f"ray-sandbox/python:{_offered_python(python_version)}")
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        raise NotImplementedError(f"Image.{name}: image builds are not supported by "
-                                  "ray_sandbox.modal; build the image from a Dockerfile "
-                                  "(`ray-sandbox image build -t NAME`, docs/docker.md, "
-                                  "'Dockerfile builds') and use "
-                                  "Image.from_registry('localhost/NAME') (docs/compat.md)")
-
-
-def _minor(version: str) -> int:
-    return int(version.split(".")[1])
-
-
-def _offered_python(asked: str) -> str:
-    """The offered Python (``"3.13"``) nearest to ``asked``: exact, else within one minor
-    version (the newer on a tie, which runs what the older one runs), with a warning."""
-    offered = sorted(PYTHON_IMAGES, key=_minor)
-    listing = ", ".join(offered)
-    m = re.fullmatch(r"3\.(\d{1,2})(?:\.\d{1,3})?", asked) if isinstance(asked, str) else None
-    if m is None:
-        raise ModalInvalidError(f"Image.debian_slim(python_version={asked!r}): not a Python 3 "
-                                f"version like '3.13'; offered here: {listing}")
-    minor = int(m[1])
-    nearest = min(offered, key=lambda v: (abs(_minor(v) - minor), -_minor(v)))
-    if abs(_minor(nearest) - minor) > 1:
-        raise ModalInvalidError(f"Image.debian_slim(python_version={asked!r}): Python "
-                                f"3.{minor} is not offered here; offered: {listing} "
-                                "(ray-sandbox/python:<version>), or use Image.from_registry "
-                                "with a registry image")
-    if _minor(nearest) != minor:
-        warnings.warn(f"Image.debian_slim(python_version={asked!r}): Python {nearest} is the "
-                      f"nearest offered here (ray-sandbox/python:{nearest}); offered: {listing}",
-                      UserWarning, stacklevel=4)
-    return nearest
+    function = refused("App.function", _PLATFORM)
+    cls = refused("App.cls", _PLATFORM)
+    server = refused("App.server", _PLATFORM)
+    local_entrypoint = refused("App.local_entrypoint", _PLATFORM)
+    run = refused("App.run", _PLATFORM + "; use App.lookup(name) for sandboxes")
+    deploy = refused("App.deploy", _PLATFORM)
+    stop = refused("App.stop", _PLATFORM + "; terminate its sandboxes "
+                   "(Sandbox.list(app_id=...))")
+    get_dashboard_url = refused("App.get_dashboard_url", "no Modal dashboard here; Ray's "
+                                "dashboard shows the cluster")
 
 
 class Secret:
@@ -119,6 +65,29 @@ class Secret:
         return Secret({k: os.environ[k] for k in env_keys})
 
     @static
-    def from_name(name: str, **options: Any) -> Secret:
-        raise NotImplementedError(f"Secret.from_name({name!r}): there is no secret store "
-                                  "here; use Secret.from_dict or from_local_environ")
+    def from_dotenv(path: str | os.PathLike[str] | None = None, *, filename: str = ".env",
+                    client: Any = None) -> Secret:
+        """The variables of a ``.env`` file (``KEY=value`` lines; ``#`` comments, ``export``
+        and quotes as dotenv writes them): ``path`` is the file or its directory (default:
+        the current directory)."""
+        refuse({"client": client}, "Secret.from_dotenv")
+        where = Path(path) if path is not None else Path.cwd()
+        file = where / filename if where.is_dir() else where
+        if not file.is_file():
+            raise ModalNotFoundError(f"no dotenv file {file}")
+        env: dict[str, str] = {}
+        for raw in file.read_text().splitlines():
+            line = raw.strip()
+            if not line or line.startswith("#") or "=" not in line:
+                continue
+            key, value = line.removeprefix("export ").split("=", 1)
+            value = value.strip()
+            if len(value) > 1 and value[0] == value[-1] and value[0] in "'\"":
+                value = value[1:-1]
+            elif " #" in value:
+                value = value.split(" #", 1)[0].rstrip()
+            env[key.strip()] = value
+        return Secret(env)
+
+    from_name = refused_static("Secret.from_name", "there is no secret store here; use "
+                               "Secret.from_dict, from_local_environ or from_dotenv")

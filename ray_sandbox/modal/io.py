@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import codecs
 import enum
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -17,6 +18,7 @@ from ..actor.handle import SandboxHandle
 from ..runtime.errors import ModalInvalidError
 from ..runtime.results import ExecResult
 from ._aio import aiter_in_thread, dual
+from ._refuse import refused
 
 _READ_WAIT_S = 0.5  # one read call waits this long for output before asking for the exit
 _PENDING_MAX = 16 << 20  # per stream, read from the host and not yet taken by its reader
@@ -24,7 +26,8 @@ TIMED_OUT = -1  # Modal's exit code of an exec whose timeout ran out
 
 
 class StreamType(enum.Enum):
-    """Modal's choice for an exec's stdout/stderr: ``PIPE`` (read it) or ``DEVNULL``."""
+    """Modal's choice for an exec's stdout/stderr: ``PIPE`` (read it), ``DEVNULL`` (drop
+    it) or ``STDOUT`` (print it on this process's stdout as it comes)."""
 
     PIPE = "pipe"
     DEVNULL = "devnull"
@@ -141,8 +144,10 @@ class StreamReader:
     over it as it comes (chunks; lines with ``bufsize=1``); ``async for`` and
     ``read.aio()`` too."""
 
-    def __init__(self, chunks: Iterator[bytes], *, text: bool, by_line: bool) -> None:
+    def __init__(self, chunks: Iterator[bytes], *, text: bool, by_line: bool,
+                 fd: int = 1) -> None:
         self._chunks = chunks
+        self._fd = fd
         self._text = text
         self._by_line = by_line
         self._items: Iterator[Any] | None = None
@@ -169,6 +174,9 @@ class StreamReader:
             self._items = self._decoded()
         return self._items
 
+    def __next__(self) -> Any:
+        return next(iter(self))
+
     def __aiter__(self):
         return aiter_in_thread(self)
 
@@ -176,6 +184,18 @@ class StreamReader:
     def read(self) -> Any:
         empty = "" if self._text else b""
         return empty.join(self)
+
+    @property
+    def file_descriptor(self) -> int:
+        """1 for stdout, 2 for stderr (Modal's numbering)."""
+        return self._fd
+
+    def close(self) -> None:
+        """Stop reading: what has not been taken is dropped."""
+        self._items = iter(())
+
+    async def aclose(self) -> None:
+        self.close()
 
 
 class StreamWriter:
@@ -211,17 +231,18 @@ class ContainerProcess:
 
     def __init__(self, process: Process, *, stdout: StreamType, stderr: StreamType,
                  text: bool, bufsize: int) -> None:
-        for name, kind in (("stdout", stdout), ("stderr", stderr)):
-            if kind is StreamType.STDOUT:
-                raise NotImplementedError(f"exec({name}=StreamType.STDOUT): printing to this "
-                                          "process's stdout is not supported; iterate instead")
         self._process = process
         self.stdin = StreamWriter(process)
         by_line = bufsize == 1
-        self.stdout = StreamReader(process.stdout_chunks() if stdout is StreamType.PIPE
-                                   else iter(()), text=text, by_line=by_line)
-        self.stderr = StreamReader(process.stderr_chunks() if stderr is StreamType.PIPE
-                                   else iter(()), text=text, by_line=by_line)
+        streams = {1: (stdout, process.stdout_chunks), 2: (stderr, process.stderr_chunks)}
+        readers = []
+        for fd, (kind, chunks) in streams.items():
+            if kind is StreamType.STDOUT:  # printed here as it comes, by a thread that ends
+                threading.Thread(target=_print_stream, args=(chunks(),), daemon=True,
+                                 name="modal-exec-stdout").start()  # with the process
+            readers.append(StreamReader(chunks() if kind is StreamType.PIPE else iter(()),
+                                        text=text, by_line=by_line, fd=fd))
+        self.stdout, self.stderr = readers
 
     @property
     def returncode(self) -> int:
@@ -237,6 +258,20 @@ class ContainerProcess:
     @dual
     def poll(self) -> int | None:
         return self._process.poll()
+
+    attach = refused("ContainerProcess.attach", "no interactive terminal here; use "
+                     "exec(...) and its stdin/stdout")
+
+
+def _print_stream(chunks: Iterator[bytes]) -> None:
+    out = sys.stdout.buffer if hasattr(sys.stdout, "buffer") else None
+    for chunk in chunks:
+        if out is not None:
+            out.write(chunk)
+            out.flush()
+        else:
+            sys.stdout.write(chunk.decode("utf-8", errors="replace"))
+            sys.stdout.flush()
 
 
 _MODES = {"r": (True, False), "rb": (False, False), "w": (True, True), "wb": (False, True),

@@ -61,11 +61,11 @@ class Tunnel:
     expires_at: float | None = None  # a service URL's; tunnels() again gives a fresh one
 
     @classmethod
-    def node_local(cls, host: str, port: int) -> Tunnel:
+    def _node_local(cls, host: str, port: int) -> Tunnel:
         return cls(host, port, host, port, f"http://{host}:{port}")
 
     @classmethod
-    def through_service(cls, handle: Any, port: int, timeout: float) -> Tunnel:
+    def _through_service(cls, handle: Any, port: int, timeout: float) -> Tunnel:
         """A signed URL to ``port`` of ``handle``'s sandbox, from the service."""
         try:
             from ray import serve

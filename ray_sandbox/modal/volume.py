@@ -27,6 +27,7 @@ from ..runtime.errors import (
 )
 from ._aio import static
 from ._options import refuse
+from ._refuse import refused
 
 DEFAULT_SIZE = "4Gi"
 
@@ -92,22 +93,15 @@ class Volume:
     def reload(self) -> None:
         """Nothing to do: the next sandbox sees what earlier ones wrote."""
 
-    def _unsupported(self, what: str) -> None:
-        raise NotImplementedError(f"Volume.{what}: not supported by ray_sandbox.modal; read "
-                                  "and write the volume from a sandbox that mounts it "
-                                  "(docs/compat.md)")
-
-    def listdir(self, *args: Any, **kwargs: Any) -> None:
-        self._unsupported("listdir")
-
-    def read_file(self, *args: Any, **kwargs: Any) -> None:
-        self._unsupported("read_file")
-
-    def remove_file(self, *args: Any, **kwargs: Any) -> None:
-        self._unsupported("remove_file")
-
-    def batch_upload(self, *args: Any, **kwargs: Any) -> None:
-        self._unsupported("batch_upload")
-
-    def copy_files(self, *args: Any, **kwargs: Any) -> None:
-        self._unsupported("copy_files")
+    _USE_A_SANDBOX = ("read and write the volume from a sandbox that mounts it "
+                      "(Sandbox.create(volumes={path: vol}))")
+    listdir = refused("Volume.listdir", _USE_A_SANDBOX)
+    iterdir = refused("Volume.iterdir", _USE_A_SANDBOX)
+    read_file = refused("Volume.read_file", _USE_A_SANDBOX)
+    read_file_into_fileobj = refused("Volume.read_file_into_fileobj", _USE_A_SANDBOX)
+    remove_file = refused("Volume.remove_file", _USE_A_SANDBOX)
+    batch_upload = refused("Volume.batch_upload", _USE_A_SANDBOX)
+    copy_files = refused("Volume.copy_files", _USE_A_SANDBOX)
+    read_only = refused("Volume.read_only", "volumes are mounted read-write here")
+    with_mount_options = refused("Volume.with_mount_options", "volumes are mounted whole "
+                                 "and read-write here")

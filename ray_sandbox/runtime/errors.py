@@ -46,14 +46,35 @@
     ├── NetworkError                  network namespace / egress setup failed
     └── SessionError                  MCP: unknown session, or at the session limit
 
-    Under Modal's names (``ray_sandbox.modal.exception``; what the Modal facade raises itself):
+    Under Modal's names (``ray_sandbox.modal.exception``: every class Modal 1.6 exports there;
+    what the Modal facade raises itself; in parentheses what else catches it):
     ModalError "Error"                root of them, a SandboxError
     ├── ModalInvalidError "InvalidError" (ConfigError)
+    │   └── ModalConflictError "ConflictError"  e.g. wait_until_ready without a probe
     ├── ModalNotFoundError "NotFoundError" (SandboxNotFoundError)
+    ├── ModalAlreadyExistsError "AlreadyExistsError" (SandboxExistsError)
     ├── ModalSandboxTerminatedError "SandboxTerminatedError"
-    └── ModalTimeoutError "TimeoutError" (TimeoutError)
-        ├── ModalSandboxTimeoutError "SandboxTimeoutError"
-        └── ModalExecTimeoutError "ExecTimeoutError"
+    ├── ModalTimeoutError "TimeoutError" (TimeoutError)
+    │   ├── ModalSandboxTimeoutError "SandboxTimeoutError"
+    │   ├── ModalExecTimeoutError "ExecTimeoutError"
+    │   └── Function-, MountUpload-, VolumeUpload-, Interactive- and OutputExpired-
+    │       TimeoutError (Modal's names; nothing here raises them)
+    ├── ModalRemoteError "RemoteError"
+    │   └── ModalImageBuildError "ImageBuildError" (ImageBuildError)  an image DSL build failed
+    ├── ModalSandboxFilesystemError "SandboxFilesystemError" (SandboxFileError)  sb.filesystem
+    │   ├── …NotFoundError (SandboxFileNotFoundError), …IsADirectoryError
+    │   │   (SandboxIsADirectoryError), …NotADirectoryError (SandboxNotADirectoryError),
+    │   │   …PathAlreadyExistsError (SandboxFileExistsError), …PermissionError
+    │   │   (SandboxPermissionError), …FileTooLargeError (FileTooLargeError)
+    │   └── …DirectoryNotEmptyError   (names "SandboxFilesystem…Error")
+    └── ClientClosed, AuthError, ConnectionError, DataLossError, DeserializationError,
+        ExecutionError, InternalError, InternalFailure, LogsFetchError,
+        PermissionDeniedError, RequestSizeError, ResourceExhaustedError, SerializationError,
+        ServiceError, SnapshotCreationError, UnimplementedError, VersionError,
+        WorkspaceManagementError (Modal's names, for ``except`` clauses)
+    Modal's warnings AsyncUsageWarning, DeprecationError, InternalAPIWarning, ServerWarning
+    (UserWarning), InputCancellation (BaseException), ModuleNotMountable and
+    UserCodeException (Exception) are here too, under the same public module.
 
     ProtocolError (ValueError)        a malformed agent frame, raised by the pure wire codec and
                                       turned into AgentProtocolError at the one connection
@@ -387,6 +408,185 @@ class ModalExecTimeoutError(ModalTimeoutError):
     """Modal's ``ExecTimeoutError``."""
 
 
+class ModalConflictError(ModalInvalidError):
+    """Modal's ``ConflictError``: the sandbox's state does not allow the call (e.g.
+    ``wait_until_ready`` without a readiness probe, or after the sandbox ended)."""
+
+
+class ModalAlreadyExistsError(ModalError, SandboxExistsError):
+    """Modal's ``AlreadyExistsError``: ``Sandbox.create(name=)`` of a name a live sandbox
+    has."""
+
+
+class ModalClientClosed(ModalError):
+    """Modal's ``ClientClosed``."""
+
+
+class ModalRemoteError(ModalError):
+    """Modal's ``RemoteError``: something failed on the far side (a build, a command)."""
+
+
+class ModalImageBuildError(ModalRemoteError, ImageBuildError):
+    """Modal's ``ImageBuildError``: building an image from Modal's DSL failed (``step``,
+    ``log_tail`` as for :class:`ImageBuildError`)."""
+
+
+class ModalSandboxFilesystemError(ModalError, SandboxFileError):
+    """Modal's ``SandboxFilesystemError``: a ``sb.filesystem`` call failed."""
+
+
+class ModalSandboxFilesystemNotFoundError(ModalSandboxFilesystemError,
+                                          SandboxFileNotFoundError):
+    """Modal's ``SandboxFilesystemNotFoundError``."""
+
+
+class ModalSandboxFilesystemIsADirectoryError(ModalSandboxFilesystemError,
+                                              SandboxIsADirectoryError):
+    """Modal's ``SandboxFilesystemIsADirectoryError``."""
+
+
+class ModalSandboxFilesystemNotADirectoryError(ModalSandboxFilesystemError,
+                                               SandboxNotADirectoryError):
+    """Modal's ``SandboxFilesystemNotADirectoryError``."""
+
+
+class ModalSandboxFilesystemPathAlreadyExistsError(ModalSandboxFilesystemError,
+                                                   SandboxFileExistsError):
+    """Modal's ``SandboxFilesystemPathAlreadyExistsError``."""
+
+
+class ModalSandboxFilesystemPermissionError(ModalSandboxFilesystemError,
+                                            SandboxPermissionError):
+    """Modal's ``SandboxFilesystemPermissionError``."""
+
+
+class ModalSandboxFilesystemFileTooLargeError(ModalSandboxFilesystemError, FileTooLargeError):
+    """Modal's ``SandboxFilesystemFileTooLargeError``."""
+
+
+class ModalSandboxFilesystemDirectoryNotEmptyError(ModalSandboxFilesystemError):
+    """Modal's ``SandboxFilesystemDirectoryNotEmptyError``: a non-recursive remove of a
+    directory that has entries."""
+
+
+# Modal's other names, for ``except`` clauses of code written for Modal: the facade never
+# raises them (what they name is Modal's platform: functions, workspaces, its RPCs).
+class ModalFunctionTimeoutError(ModalTimeoutError):
+    """Modal's ``FunctionTimeoutError``."""
+
+
+class ModalMountUploadTimeoutError(ModalTimeoutError):
+    """Modal's ``MountUploadTimeoutError``."""
+
+
+class ModalVolumeUploadTimeoutError(ModalTimeoutError):
+    """Modal's ``VolumeUploadTimeoutError``."""
+
+
+class ModalInteractiveTimeoutError(ModalTimeoutError):
+    """Modal's ``InteractiveTimeoutError``."""
+
+
+class ModalOutputExpiredError(ModalTimeoutError):
+    """Modal's ``OutputExpiredError``."""
+
+
+class ModalAuthError(ModalError):
+    """Modal's ``AuthError``."""
+
+
+class ModalConnectionError(ModalError):
+    """Modal's ``ConnectionError`` (not the builtin's subclass, as in Modal)."""
+
+
+class ModalDataLossError(ModalError):
+    """Modal's ``DataLossError``."""
+
+
+class ModalDeserializationError(ModalError):
+    """Modal's ``DeserializationError``."""
+
+
+class ModalExecutionError(ModalError):
+    """Modal's ``ExecutionError``."""
+
+
+class ModalInternalError(ModalError):
+    """Modal's ``InternalError``."""
+
+
+class ModalInternalFailure(ModalError):
+    """Modal's ``InternalFailure``."""
+
+
+class ModalLogsFetchError(ModalError):
+    """Modal's ``LogsFetchError``."""
+
+
+class ModalPermissionDeniedError(ModalError):
+    """Modal's ``PermissionDeniedError``."""
+
+
+class ModalRequestSizeError(ModalError):
+    """Modal's ``RequestSizeError``."""
+
+
+class ModalResourceExhaustedError(ModalError):
+    """Modal's ``ResourceExhaustedError``."""
+
+
+class ModalSerializationError(ModalError):
+    """Modal's ``SerializationError``."""
+
+
+class ModalServiceError(ModalError):
+    """Modal's ``ServiceError``."""
+
+
+class ModalSnapshotCreationError(ModalError):
+    """Modal's ``SnapshotCreationError``."""
+
+
+class ModalUnimplementedError(ModalError):
+    """Modal's ``UnimplementedError``."""
+
+
+class ModalVersionError(ModalError):
+    """Modal's ``VersionError``."""
+
+
+class ModalWorkspaceManagementError(ModalError):
+    """Modal's ``WorkspaceManagementError``."""
+
+
+class ModalInputCancellation(BaseException):
+    """Modal's ``InputCancellation`` (a BaseException, as in Modal)."""
+
+
+class ModalModuleNotMountable(Exception):
+    """Modal's ``ModuleNotMountable``."""
+
+
+class ModalUserCodeException(Exception):
+    """Modal's ``UserCodeException``."""
+
+
+class ModalAsyncUsageWarning(UserWarning):
+    """Modal's ``AsyncUsageWarning``."""
+
+
+class ModalDeprecationError(UserWarning):
+    """Modal's ``DeprecationError`` (a warning, as in Modal)."""
+
+
+class ModalInternalAPIWarning(UserWarning):
+    """Modal's ``InternalAPIWarning``."""
+
+
+class ModalServerWarning(UserWarning):
+    """Modal's ``ServerWarning``."""
+
+
 class ProtocolError(ValueError):
     """The agent sent something the wire protocol does not allow (internal: see above)."""
 
@@ -397,9 +597,25 @@ for _name in __all__:
 
 # Modal's names, where Modal code imports them from (and pickle finds them).
 MODAL_NAMES = {
-    ModalError: "Error", ModalInvalidError: "InvalidError", ModalNotFoundError: "NotFoundError",
-    ModalSandboxTerminatedError: "SandboxTerminatedError", ModalTimeoutError: "TimeoutError",
-    ModalSandboxTimeoutError: "SandboxTimeoutError", ModalExecTimeoutError: "ExecTimeoutError",
+    cls: cls.__name__.removeprefix("Modal") for cls in (
+        ModalError, ModalInvalidError, ModalNotFoundError, ModalSandboxTerminatedError,
+        ModalTimeoutError, ModalSandboxTimeoutError, ModalExecTimeoutError, ModalConflictError,
+        ModalAlreadyExistsError, ModalClientClosed, ModalRemoteError, ModalImageBuildError,
+        ModalSandboxFilesystemError, ModalSandboxFilesystemNotFoundError,
+        ModalSandboxFilesystemIsADirectoryError, ModalSandboxFilesystemNotADirectoryError,
+        ModalSandboxFilesystemPathAlreadyExistsError, ModalSandboxFilesystemPermissionError,
+        ModalSandboxFilesystemFileTooLargeError, ModalSandboxFilesystemDirectoryNotEmptyError,
+        ModalFunctionTimeoutError, ModalMountUploadTimeoutError, ModalVolumeUploadTimeoutError,
+        ModalInteractiveTimeoutError, ModalOutputExpiredError, ModalAuthError,
+        ModalConnectionError, ModalDataLossError, ModalDeserializationError,
+        ModalExecutionError, ModalInternalError, ModalInternalFailure, ModalLogsFetchError,
+        ModalPermissionDeniedError, ModalRequestSizeError, ModalResourceExhaustedError,
+        ModalSerializationError, ModalServiceError, ModalSnapshotCreationError,
+        ModalUnimplementedError, ModalVersionError, ModalWorkspaceManagementError,
+        ModalInputCancellation, ModalModuleNotMountable, ModalUserCodeException,
+        ModalAsyncUsageWarning, ModalDeprecationError, ModalInternalAPIWarning,
+        ModalServerWarning,
+    )
 }
 for _cls, _name in MODAL_NAMES.items():
     _cls.__module__ = "ray_sandbox.modal.exception"

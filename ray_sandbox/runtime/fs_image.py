@@ -237,5 +237,35 @@ def _exactly(chunks: Iterable[bytes], size: int) -> Iterator[bytes]:
         yield b"\0" * (tarfile.BLOCKSIZE - size % tarfile.BLOCKSIZE)
 
 
+def publish(layout_dir: Path, scope: str, image_id: str, home: Path | None = None) -> str:
+    """An OCI layout already on this node (a stored image's, e.g. a Dockerfile build's) as
+    the filesystem image ``image_id`` of ``scope``, so that other nodes fetch it as they fetch
+    a ``snapshot_filesystem`` image; returns its reference. Blobs are hard-linked where the
+    disk allows (copied otherwise); publishing an id that exists already changes nothing."""
+    dest = layout(scope, image_id, home)
+    if dest.is_dir():
+        return reference(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    part = dest.with_name(f".{dest.name}.{secrets.token_hex(4)}.part")
+    try:
+        (part / "blobs" / "sha256").mkdir(parents=True)
+        for blob in (layout_dir / "blobs" / "sha256").iterdir():
+            target = part / "blobs" / "sha256" / blob.name
+            try:
+                os.link(blob, target)
+            except OSError:
+                shutil.copyfile(blob, target)
+        for name in ("index.json", "oci-layout"):
+            shutil.copyfile(layout_dir / name, part / name)
+        try:
+            os.replace(part, dest)
+        except OSError:
+            if not dest.is_dir():  # not a concurrent publish of the same id
+                raise
+    finally:
+        shutil.rmtree(part, ignore_errors=True)
+    return reference(dest)
+
+
 def remove(scope: str, image_id: str, home: Path | None = None) -> None:
     shutil.rmtree(layout(scope, image_id, home), ignore_errors=True)
