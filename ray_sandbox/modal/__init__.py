@@ -16,6 +16,7 @@ from . import (
     image,
     io_streams,
     output,
+    snapshot,
     stream_type,
     types,
 )
@@ -44,6 +45,10 @@ PLATFORM = frozenset({
 
 
 def __getattr__(name: str) -> Any:
+    if name == "OutboundPolicy":
+        raise refusal("modal.OutboundPolicy", "no egress proxy that rewrites requests here; "
+                      "egress is allowed or denied by destination (outbound_domain_allowlist, "
+                      "outbound_cidr_allowlist)")
     if name in PLATFORM:
         raise refusal(f"modal.{name}", "a Modal platform name (Functions, apps, queues, web "
                       "endpoints); ray_sandbox.modal has Modal's sandboxes")
@@ -54,4 +59,4 @@ __all__ = ["App", "ContainerProcess", "Error", "FileIO", "Image", "Probe", "Sand
            "SandboxFilesystem", "SandboxSnapshot", "Secret", "StreamReader", "StreamType",
            "StreamWriter", "Tunnel", "Volume", "container_process", "enable_output",
            "exception", "experimental", "file_io", "image", "io_streams", "output",
-           "stream_type", "types"]
+           "snapshot", "stream_type", "types"]

@@ -36,6 +36,17 @@ def refused_property(name: str, why: str) -> property:
     return property(fget, doc=fget.__doc__)
 
 
+class refused_attribute:  # noqa: N801 - used like property
+    """A class attribute that refuses when read, on the class or an instance (Modal's
+    class properties, e.g. ``Secret.objects``)."""
+
+    def __init__(self, name: str, why: str) -> None:
+        self._name, self.__refused__ = name, why
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> NoReturn:
+        raise refusal(self._name, self.__refused__)
+
+
 def is_refused(attr: Any) -> bool:
     """Whether a facade attribute (function, property, staticmethod) is a refusal."""
     if isinstance(attr, property):

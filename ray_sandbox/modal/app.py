@@ -11,7 +11,7 @@ from typing import Any
 from ..runtime.errors import ModalNotFoundError
 from ._aio import static
 from ._options import refuse
-from ._refuse import refused, refused_static
+from ._refuse import refused, refused_attribute, refused_static
 
 _PLATFORM = "Modal Functions and deployed apps are not part of ray_sandbox.modal, which has "\
     "Modal's sandboxes"
@@ -91,3 +91,5 @@ class Secret:
 
     from_name = refused_static("Secret.from_name", "there is no secret store here; use "
                                "Secret.from_dict, from_local_environ or from_dotenv")
+    objects = refused_attribute("Secret.objects", "there is no secret store here; use "
+                                "Secret.from_dict, from_local_environ or from_dotenv")

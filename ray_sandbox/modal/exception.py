@@ -65,12 +65,10 @@ from ..runtime.errors import ModalUserCodeException as UserCodeException
 from ..runtime.errors import ModalVersionError as VersionError
 from ..runtime.errors import ModalVolumeUploadTimeoutError as VolumeUploadTimeoutError
 from ..runtime.errors import ModalWorkspaceManagementError as WorkspaceManagementError
+from ._refuse import refused
 
-
-def simulate_preemption(*args: object, **kwargs: object) -> None:
-    """Modal's hook that preempts a Function's container: there are no Functions here."""
-    raise NotImplementedError("modal.exception.simulate_preemption: Modal Functions are not "
-                              "part of ray_sandbox.modal (docs/compat.md)")
+simulate_preemption = refused("modal.exception.simulate_preemption", "a hook that preempts "
+                              "a Modal Function's container; there are no Functions here")
 
 
 __all__ = [

@@ -589,3 +589,5 @@ def _place(f: _File, ctx: Path) -> None:
         shutil.copytree(src, dest, symlinks=True, ignore=ignored, dirs_exist_ok=True)
     else:
         shutil.copy2(src, dest, follow_symlinks=False)
+
+__all__ = ["Image"]

@@ -327,6 +327,17 @@ class FileIO:
         return list(iter(self.readline, self._out(b"")))
 
     @dual
+    def seek(self, offset: int, whence: int = 0) -> int:
+        """Move in a file opened for reading (0: from the start, 1: from here, 2: from the
+        end); writes always go to the end."""
+        self._check(False)
+        base = {0: 0, 1: self._pos, 2: len(self._data)}.get(whence)
+        if base is None:
+            raise ValueError(f"whence must be 0, 1 or 2, not {whence!r}")
+        self._pos = max(0, min(base + offset, len(self._data)))
+        return self._pos
+
+    @dual
     def write(self, data: bytes | str) -> None:
         self._check(True)
         if isinstance(data, str) != self._text:

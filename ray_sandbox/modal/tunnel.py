@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 import ray
 
 from ..runtime.errors import ModalInvalidError, ModalNotFoundError
+from ._refuse import refused_property
 
 SERVICE_APP_ENV = "RAY_SANDBOX_SERVICE_APP"  # the Serve app of `ray-sandbox serve`: ray-sandbox
 
@@ -94,8 +95,6 @@ class Tunnel:
                                     "use unencrypted_ports")
         return self.unencrypted_host, self.unencrypted_port
 
-    @property
-    def tls_socket(self) -> tuple[str, int]:
-        # an unencrypted port has no TLS, and the service routes by the URL's path: a bare
-        # TLS socket to it would reach the service, not the sandbox's port
-        raise NotImplementedError("Tunnel.tls_socket: no TLS socket here; use url")
+    # an unencrypted port has no TLS, and the service routes by the URL's path: a bare TLS
+    # socket to it would reach the service, not the sandbox's port
+    tls_socket = refused_property("Tunnel.tls_socket", "no TLS socket here; use url")

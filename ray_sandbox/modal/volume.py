@@ -10,26 +10,79 @@ disk)."""
 from __future__ import annotations
 
 import os
+import posixpath
+import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from pathlib import Path
+from typing import Any, BinaryIO
 
+import ray
+
+from .. import actor
 from ..actor import volumes
 from ..runtime.errors import (
     ConfigError,
     ModalError,
     ModalInvalidError,
     ModalNotFoundError,
+    SandboxFileNotFoundError,
     VolumeExistsError,
     VolumeInUseError,
     VolumeNotFoundError,
 )
-from ._aio import static
+from ._aio import dual, static
 from ._options import refuse
 from ._refuse import refused
 
 DEFAULT_SIZE = "4Gi"
+_HELPER_IMAGE = "ray-sandbox/busybox"  # what reads a volume for read_file
+_HELPER_CPU = 0.1
+_HELPER_MEMORY = "64Mi"
+_CHUNK = 1 << 20
+
+
+class _BatchUpload:
+    """What ``Volume.batch_upload()`` yields: files and directories staged for the volume."""
+
+    def __init__(self) -> None:
+        self._root: Path | None = None
+        self._count = 0
+
+    def _target(self, remote_path: str) -> Path:
+        rel = posixpath.normpath("/" + str(remote_path)).lstrip("/")
+        if not rel or self._root is None:
+            raise ModalInvalidError(f"not a path in the volume: {remote_path!r}")
+        target = self._root / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        self._count += 1
+        return target
+
+    def put_file(self, local_file: str | os.PathLike[str] | BinaryIO, remote_path: str,
+                 mode: int | None = None) -> None:
+        """A local file (a path, or a binary file object such as ``io.BytesIO``)."""
+        target = self._target(remote_path)
+        if isinstance(local_file, str | os.PathLike):
+            shutil.copyfile(local_file, target)
+        else:
+            with open(target, "wb") as out:
+                shutil.copyfileobj(local_file, out)
+        if mode is not None:
+            target.chmod(mode & 0o777)
+
+    def put_directory(self, local_path: str | os.PathLike[str], remote_path: str,
+                      recursive: bool = True) -> None:
+        """A local directory's files (with ``recursive``, its subdirectories' too)."""
+        target = self._target(remote_path)
+        if recursive:
+            shutil.copytree(local_path, target, symlinks=True, dirs_exist_ok=True)
+            return
+        target.mkdir(exist_ok=True)
+        for entry in Path(local_path).iterdir():
+            if entry.is_file():
+                shutil.copyfile(entry, target / entry.name)
 
 
 class Volume:
@@ -95,12 +148,38 @@ class Volume:
 
     _USE_A_SANDBOX = ("read and write the volume from a sandbox that mounts it "
                       "(Sandbox.create(volumes={path: vol}))")
+    @dual
+    def read_file(self, path: str) -> Iterator[bytes]:
+        """The file's bytes (up to 64 MiB), in chunks: read by a short-lived sandbox on the
+        volume's node that mounts it (so it waits while another sandbox has it mounted
+        read-write, up to the mount's wait)."""
+        rel = posixpath.normpath("/" + path).lstrip("/")
+        helper = actor.create(image=_HELPER_IMAGE, volumes={"/v": self.name}, network="none",
+                              cpu=_HELPER_CPU, memory=_HELPER_MEMORY)
+        try:
+            data = ray.get(helper.read_file.remote(f"/v/{rel}"))
+        except SandboxFileNotFoundError:
+            raise ModalNotFoundError(f"no file {path!r} in volume {self.name!r}") from None
+        finally:
+            ray.get(helper.terminate.remote())
+        return iter([data[i:i + _CHUNK] for i in range(0, len(data), _CHUNK)] or [b""])
+
+    @contextmanager
+    def batch_upload(self, force: bool = False) -> Iterator[_BatchUpload]:
+        """``put_file``/``put_directory`` calls collected in the block, written into the
+        volume at its end in one go (``ray_sandbox.fill_volume``). Files already there are
+        replaced whatever ``force`` says."""
+        batch = _BatchUpload()
+        with tempfile.TemporaryDirectory(prefix="rsb-modal-upload-") as tmp:
+            batch._root = Path(tmp)
+            yield batch
+            if batch._count:
+                volumes.fill_volume(self.name, tmp)
+
     listdir = refused("Volume.listdir", _USE_A_SANDBOX)
     iterdir = refused("Volume.iterdir", _USE_A_SANDBOX)
-    read_file = refused("Volume.read_file", _USE_A_SANDBOX)
     read_file_into_fileobj = refused("Volume.read_file_into_fileobj", _USE_A_SANDBOX)
     remove_file = refused("Volume.remove_file", _USE_A_SANDBOX)
-    batch_upload = refused("Volume.batch_upload", _USE_A_SANDBOX)
     copy_files = refused("Volume.copy_files", _USE_A_SANDBOX)
     read_only = refused("Volume.read_only", "volumes are mounted read-write here")
     with_mount_options = refused("Volume.with_mount_options", "volumes are mounted whole "

@@ -6,8 +6,15 @@ client's signatures."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
+import dataclasses
+import enum
+import inspect
 import pickle
+import re
+import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +23,7 @@ from ray_sandbox.modal import output
 from ray_sandbox.modal._build import with_build_ca
 from ray_sandbox.modal._options import UNSUPPORTED, create_options
 from ray_sandbox.modal._probe import listening
+from ray_sandbox.modal._refuse import is_refused
 from ray_sandbox.modal.image import _place
 from ray_sandbox.modal.io import StreamReader
 from ray_sandbox.modal.sandbox_fs import modal_error
@@ -398,3 +406,189 @@ def test_platform_names_are_refused_and_others_missing():
     assert modal.io_streams.StreamReader is modal.StreamReader
     assert modal.output.enable_output is modal.enable_output
     assert modal.image.Image is modal.Image
+
+
+# --- docs/compat.md's Modal tables against the facade's names (issue 33) -----------------
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "compat.md"
+CLASSES = {c.__name__: c for c in (
+    modal.App, modal.Image, modal.Secret, modal.Volume, modal.Sandbox, modal.SandboxSnapshot,
+    modal.SandboxFilesystem, modal.ContainerProcess, modal.StreamReader, modal.StreamWriter,
+    modal.StreamType, modal.FileIO, modal.Tunnel, modal.Probe)}
+SUBMODULES = ("exception", "container_process", "stream_type", "io_streams", "image",
+              "snapshot", "types", "file_io", "experimental", "output")
+KWARGS = {"Sandbox.create": set(UNSUPPORTED), "Sandbox.exec": {"pty", "pty_info", "_pty_info"}}
+STATUSES = ("supported", "different", "ours", "refused")
+_CALL = re.compile(r"^([A-Za-z_][\w.]*)\((.*)\)$")
+
+
+def _public(name: str) -> bool:
+    return not name.startswith("_") or name.startswith("_experimental")
+
+
+def _instance_attrs(cls: type) -> set[str]:
+    """The public attributes ``__init__`` sets (``self.x = ...``)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.__init__)))
+    except (TypeError, OSError):
+        return set()
+    return {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+            and isinstance(n.ctx, ast.Store) and isinstance(n.value, ast.Name)
+            and n.value.id == "self" and _public(n.attr)}
+
+
+def _members(cls: type) -> set[str]:
+    if issubclass(cls, enum.Enum):
+        return set(cls.__members__)
+    fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    return {n for n in vars(cls) if _public(n)} | fields | _instance_attrs(cls)
+
+
+def facade_names() -> dict[str, bool]:
+    """Every public name of the facade -> whether it is refused as a whole."""
+    out: dict[str, bool] = {}
+    for name in [*modal.__all__, *modal.PLATFORM, "OutboundPolicy"]:
+        out[f"modal.{name}"] = name in modal.PLATFORM or name == "OutboundPolicy"
+    for sub in SUBMODULES:
+        mod = getattr(modal, sub)
+        for name in getattr(mod, "__all__", ()):
+            out[f"modal.{sub}.{name}"] = is_refused(getattr(mod, name))
+    for extra in ("raw_registry_image", "OutboundPolicy"):  # refused by the module
+        out[f"modal.experimental.{extra}"] = True
+    for cname, cls in CLASSES.items():
+        for member in _members(cls):
+            attr = inspect.getattr_static(cls, member, None)
+            out[f"{cname}.{member}"] = attr is not None and is_refused(attr)
+    for call, refused_keys in KWARGS.items():
+        cname, method = call.split(".")
+        params = inspect.signature(getattr(CLASSES[cname], method)).parameters.values()
+        keys = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                and p.name != "self"} | refused_keys
+        out.update({f"{call}({k}=)": k in refused_keys for k in keys})
+    return out
+
+
+def documented_names() -> dict[str, str]:
+    """Every name in the first column of docs/compat.md's Modal tables -> its status."""
+    section = DOC.read_text().split("## Modal:", 1)[1]
+    out: dict[str, str] = {}
+    for line in section.splitlines():
+        if not line.startswith("| `"):
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        assert len(cells) == 3 and cells[1] in STATUSES, line
+        for token in re.findall(r"`([^`]+)`", cells[0]):
+            m = _CALL.match(token)
+            names = [token] if m is None else [
+                f"{m[1]}({kw.strip().rstrip('=')}=)" for kw in m[2].split(",") if kw.strip()]
+            for name in names:
+                assert name not in out, f"{name} is in two rows"
+                out[name] = cells[1]
+            if m is not None:  # its options' rows document the call itself: the first says
+                out.setdefault(m[1], cells[1])
+    return out
+
+
+def test_compat_md_lists_exactly_the_facades_names():
+    facade, doc = facade_names(), documented_names()
+    assert sorted(set(doc) - set(facade)) == [], "documented, but not in the facade"
+    assert sorted(set(facade) - set(doc)) == [], "in the facade, but not documented"
+    wrong = sorted(n for n, refused_ in facade.items() if refused_ != (doc[n] == "refused"))
+    assert wrong == [], "marked refused in docs/compat.md but not refused (or the reverse)"
+
+
+def test_the_refused_names_refuse_naming_themselves():
+    for name, refused_ in facade_names().items():
+        if not refused_ or "(" in name:
+            continue
+        head, _, attr = name.rpartition(".")
+        with pytest.raises(NotImplementedError, match=re.escape(attr)):
+            if head in CLASSES:
+                value = getattr(CLASSES[head], attr)  # a refused class attribute raises here
+                (value.fget if isinstance(value, property) else value)(None)
+            else:
+                value = modal
+                for part in name.split(".")[1:]:
+                    value = getattr(value, part)
+                value()
+
+
+# What Modal's sandbox guide and its 13_sandboxes examples call (/work/notes/facade_gaps.md's
+# tables, read from modal.com/docs/guide/sandbox* and modal-labs/modal-examples) and every
+# create() option of Modal 1.6.4: each is a name of the facade, working or refused.
+GUIDE_AND_EXAMPLES = {
+    "modal.App", "modal.Sandbox", "modal.Image", "modal.Secret", "modal.Volume", "modal.Tunnel",
+    "modal.Probe", "modal.SandboxSnapshot", "modal.enable_output", "modal.exception",
+    "modal.container_process.ContainerProcess", "modal.stream_type.StreamType",
+    "modal.io_streams.StreamReader", "modal.io_streams.StreamWriter", "modal.types.FileInfo",
+    "modal.types.FileType", "modal.types.FileWatchEventType", "modal.types.FileWatchEvent",
+    "modal.types.SandboxConnectCredentials", "modal.output.enable_output",
+    "modal.image.Image", "modal.snapshot.SandboxSnapshot", "modal.file_io.replace_bytes",
+    "modal.file_io.delete_bytes", "modal.file_io.FileWatchEventType",
+    "modal.experimental.raw_registry_image", "modal.experimental.image_delete",
+    "modal.OutboundPolicy", "modal.exception.NotFoundError", "modal.exception.AlreadyExistsError",
+    "modal.Function", "modal.Cls", "modal.Queue", "modal.Dict", "modal.Period", "modal.Server",
+    "modal.Workspace", "modal.Retries", "modal.concurrent", "modal.fastapi_endpoint",
+    "modal.web_endpoint", "modal.asgi_app", "modal.web_server", "modal.enter", "modal.method",
+    "modal.parameter", "modal.forward",
+    "App.lookup", "App.app_id", "App.get_dashboard_url", "App.function", "App.deploy",
+    "App.run", "App.local_entrypoint", "App.cls",
+    "Image.from_registry", "Image.debian_slim", "Image.apt_install", "Image.pip_install",
+    "Image.uv_pip_install", "Image.run_commands", "Image.env", "Image.workdir",
+    "Image.entrypoint", "Image.add_local_file", "Image.add_local_dir", "Image.build",
+    "Image.imports", "Image.from_id", "Image.from_scratch", "Image.from_dockerfile",
+    "Image.from_name", "Image.micromamba", "Image.from_aws_ecr",
+    "Image.from_gcp_artifact_registry", "Image.object_id",
+    "Secret.from_dict", "Secret.from_local_environ", "Secret.from_name", "Secret.from_dotenv",
+    "Secret.objects",
+    "Volume.from_name", "Volume.ephemeral", "Volume.read_file", "Volume.batch_upload",
+    "Volume.listdir", "Volume.iterdir", "Volume.remove_file", "Volume.copy_files",
+    "Volume.read_only", "Volume.with_mount_options", "Volume.commit", "Volume.reload",
+    "Volume.delete",
+    "Sandbox.from_id", "Sandbox.from_name", "Sandbox.list", "Sandbox._experimental_from_snapshot",
+    "Sandbox.object_id", "Sandbox.exec", "Sandbox.stdout", "Sandbox.stderr", "Sandbox.stdin",
+    "Sandbox.wait", "Sandbox.poll", "Sandbox.returncode", "Sandbox.terminate", "Sandbox.detach",
+    "Sandbox.tunnels", "Sandbox.create_connect_token", "Sandbox.get_tags", "Sandbox.set_tags",
+    "Sandbox.snapshot_filesystem", "Sandbox.snapshot_directory", "Sandbox.mount_image",
+    "Sandbox.unmount_image", "Sandbox._experimental_snapshot", "Sandbox.wait_until_ready",
+    "Sandbox.filesystem", "Sandbox.reload_volumes", "Sandbox.logs", "Sandbox.get_dashboard_url",
+    "Sandbox.hydrate", "Sandbox._experimental_sidecars", "Sandbox.open", "Sandbox.ls",
+    "Sandbox.mkdir", "Sandbox.rm", "Sandbox.watch",
+    "Sandbox._experimental_set_outbound_network_policy",
+    "Tunnel.url", "Tunnel.tls_socket", "Tunnel.tcp_socket", "Tunnel.host", "Tunnel.port",
+    "Tunnel.unencrypted_host", "Tunnel.unencrypted_port",
+    "StreamType.PIPE", "StreamType.DEVNULL", "StreamType.STDOUT", "ContainerProcess.stdout",
+    "ContainerProcess.stderr", "ContainerProcess.stdin", "ContainerProcess.wait",
+    "ContainerProcess.poll", "ContainerProcess.returncode", "ContainerProcess.attach",
+    "StreamReader.read", "StreamReader.close", "StreamReader.aclose",
+    "StreamReader.file_descriptor", "StreamWriter.write", "StreamWriter.write_eof",
+    "StreamWriter.drain",
+    "SandboxFilesystem.read_bytes", "SandboxFilesystem.read_text",
+    "SandboxFilesystem.write_bytes", "SandboxFilesystem.write_text",
+    "SandboxFilesystem.list_files", "SandboxFilesystem.stat", "SandboxFilesystem.make_directory",
+    "SandboxFilesystem.remove", "SandboxFilesystem.copy_from_local",
+    "SandboxFilesystem.copy_to_local", "SandboxFilesystem.watch",
+    "Probe.with_exec", "Probe.with_tcp", "Probe.interval_ms", "Probe.tcp_port", "Probe.exec_argv",
+    "SandboxSnapshot.from_id", "SandboxSnapshot.object_id",
+    "FileIO.read", "FileIO.readline", "FileIO.readlines", "FileIO.write", "FileIO.flush",
+    "FileIO.seek", "FileIO.close",
+    *(f"Sandbox.create({k}=)" for k in (
+        "app", "name", "tags", "image", "env", "secrets", "network_file_systems", "timeout",
+        "idle_timeout", "workdir", "gpu", "cloud", "region", "cpu", "memory", "runtime",
+        "block_network", "outbound_cidr_allowlist", "outbound_domain_allowlist",
+        "_experimental_outbound_policy", "inbound_cidr_allowlist", "volumes", "pty",
+        "encrypted_ports", "h2_ports", "unencrypted_ports", "custom_domain", "proxy",
+        "include_oidc_identity_token", "readiness_probe", "verbose", "experimental_options",
+        "_experimental_enable_snapshot", "_experimental_persistent", "client",
+        "environment_name", "pty_info", "cidr_allowlist")),
+    *(f"Sandbox.exec({k}=)" for k in ("stdout", "stderr", "timeout", "workdir", "env",
+                                       "secrets", "text", "bufsize", "pty", "pty_info")),
+}
+
+
+def test_every_name_of_modals_guide_and_examples_is_here():
+    assert sorted(GUIDE_AND_EXAMPLES - set(facade_names())) == []
+    statuses = documented_names()
+    counts = {s: sum(1 for n in GUIDE_AND_EXAMPLES if statuses[n] == s) for s in STATUSES}
+    assert sum(counts.values()) == len(GUIDE_AND_EXAMPLES)
+    assert counts["refused"] < counts["supported"] + counts["different"]
