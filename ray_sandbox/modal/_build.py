@@ -10,7 +10,7 @@ store, so the build needs nothing of the caller's disk.
 
 What it leaves: the build is kept by the builder (``builds/<key>/`` beside the node's image
 store, keyed by the Dockerfile, the context's files and the bases' digests: the same chain
-is not built twice) and named ``localhost/modal/<hash>`` in the node's store, so later
+is not built twice) and named ``localhost/modal-dsl/<hash>`` in the node's store, so later
 creates on that node start from it at once. It is also published as a filesystem image of
 that node (``runtime/fs_image.publish``): its reference, which is what the facade creates
 sandboxes from, works on every node, and another node fetches it once from the building
@@ -141,7 +141,7 @@ def build(dockerfile: str, context: Path, say: Callable[[str], None]) -> str:
     """Build ``dockerfile`` with the files of the directory ``context``; returns the
     reference sandboxes start from (a filesystem image of the node that built it). A failing
     step raises Modal's ``ImageBuildError`` (``step``, ``log_tail``)."""
-    tag = "modal/" + docker.context_key(context, dockerfile.encode(), [], "", "public")[:24]
+    tag = "modal-dsl/" + docker.context_key(context, dockerfile.encode(), [], "", "public")[:24]
     refs = put_chunks(_bounded(archive.pack_local(context), MAX_CONTEXT_BYTES))
     here = ray.get_runtime_context().get_node_id()
     gen = _build_task.options(

@@ -71,7 +71,7 @@ def create_options(
     volumes: Mapping[str, Any] | None = None, idle_timeout: float | None = None,
     outbound_cidr_allowlist: Sequence[str] | None = None, cpu_limit: float | None = None,
     memory_limit: int | None = None, runtime: str | None = None, probe: str | None = None,
-    others: Mapping[str, Any],
+    snapshots: bool = False, others: Mapping[str, Any],
 ) -> dict[str, Any]:
     """:func:`ray_sandbox.create` keyword arguments for Modal's ``Sandbox.create``."""
     for key in others:
@@ -103,8 +103,10 @@ def create_options(
                       if encrypted_ports else {}),
                    **({PROBE_LABEL: probe} if probe else {})},
         # Modal's sandboxes reach the internet unless blocked: ours through network
-        # "public" (private and metadata addresses stay denied, docs/network.md)
-        "network": "none" if block_network else "public",
+        # "public" (private and metadata addresses stay denied, docs/network.md), or
+        # "sandbox" (gVisor's own stack, the same egress policy) for one whose memory can be
+        # snapshotted: runsc refuses to checkpoint "public" (hostinet) sandboxes
+        "network": "none" if block_network else "sandbox" if snapshots else "public",
         "ttl_seconds": timeout,
     }
     if any(a is not None for a in allow):

@@ -20,6 +20,7 @@ from ray.exceptions import RayError
 from .. import actor
 from ..actor.handle import SandboxHandle
 from ..runtime.errors import (
+    CommandError,
     FileTooLargeError,
     ModalAlreadyExistsError,
     ModalConflictError,
@@ -126,7 +127,8 @@ class Sandbox:
             outbound_domain_allowlist=outbound_domain_allowlist,
             unencrypted_ports=unencrypted_ports, encrypted_ports=encrypted_ports,
             volumes=volumes, idle_timeout=idle_timeout, runtime=runtime,
-            probe=readiness_probe._label() if readiness_probe else None, others=others)
+            probe=readiness_probe._label() if readiness_probe else None,
+            snapshots=_experimental_enable_snapshot, others=others)
         if image is not None:  # after the options are checked: a build takes a while
             options["image"] = image.ref
         try:
@@ -397,8 +399,16 @@ class Sandbox:
 
     @dual
     def _experimental_snapshot(self) -> SandboxSnapshot:
-        """Its memory, processes and files (``handle.snapshot()``); the sandbox runs on."""
-        return SandboxSnapshot(ray.get(self._handle.snapshot.remote()))
+        """Its memory, processes and files (``handle.snapshot()``); the sandbox runs on. It
+        must have been created with ``_experimental_enable_snapshot=True``, as on Modal."""
+        try:
+            return SandboxSnapshot(ray.get(self._handle.snapshot.remote()))
+        except CommandError as exc:
+            if "hostinet" not in f"{exc.stderr} {exc.message}":
+                raise
+            raise ModalInvalidError("a memory snapshot needs a sandbox created with "
+                                    "_experimental_enable_snapshot=True",
+                                    sandbox_id=self.object_id) from None
 
     @static
     def _experimental_from_snapshot(snapshot: SandboxSnapshot, **options: Any) -> Sandbox:

@@ -232,6 +232,8 @@ def test_create_options_of_modal_1_6():
     with pytest.raises(modal.exception.InvalidError, match="both"):
         _options(memory=(1, 2), memory_limit=3)
     assert "network" in _options(runtime="gvisor")
+    assert _options(snapshots=True)["network"] == "sandbox"  # runsc checkpoints its netstack
+    assert _options(snapshots=True, block_network=True)["network"] == "none"
     with pytest.raises(NotImplementedError, match="runtime='vm'"):
         _options(runtime="vm")
     probe = modal.Probe.with_exec("true")
