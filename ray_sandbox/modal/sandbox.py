@@ -237,12 +237,20 @@ class Sandbox:
                 code = self._entrypoint.poll()
             except (SandboxError, RayError):
                 code = None  # the sandbox went with it: its status says how
-            if code is not None:
+            # killed by a signal: maybe by the sandbox's own end (its timeout ran out), which
+            # the agent may report as the command's exit before it goes
+            if code is not None and (code < 128 or self._ended_by_status() is None):
                 ray.get(self._handle.terminate.remote())  # it ends with its command
                 return code, "command"
         if self._terminated:
             return TERMINATED_EXIT, "terminated"
-        status = ray.get(self._handle.status.remote())
+        return self._ended_by_status()
+
+    def _ended_by_status(self) -> tuple[int, str] | None:
+        try:
+            status = ray.get(self._handle.status.remote())
+        except SandboxError:
+            return TERMINATED_EXIT, "terminated"  # gone (deleted) without a word
         if status.state in (SandboxState.TERMINATED, SandboxState.ERROR):
             if status.reason == "TTLExpired":
                 return TIMEOUT_EXIT, "timeout"
