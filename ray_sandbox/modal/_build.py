@@ -144,7 +144,7 @@ def build(dockerfile: str, context: Path, say: Callable[[str], None]) -> str:
     tag = "modal-dsl/" + docker.context_key(context, dockerfile.encode(), [], "", "public")[:24]
     refs = put_chunks(_bounded(archive.pack_local(context), MAX_CONTEXT_BYTES))
     here = ray.get_runtime_context().get_node_id()
-    gen = _build_task.options(
+    gen: Any = _build_task.options(
         scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
     ).remote(dockerfile, refs, tag)
     started = time.monotonic()

@@ -76,7 +76,9 @@ class Sandbox:
 
     def __init__(self, handle: SandboxHandle, entrypoint: Process | None = None, *,
                  workdir: str | None = None, probe: Probe | None = None) -> None:
-        self._handle = handle
+        # its verbs (exec, status, read_file, …) are made from the verb table at import
+        # (actor/handle.py): Any, so that type checks do not miss them
+        self._handle: Any = handle
         self._entrypoint = entrypoint
         self._command = None if entrypoint is None else ContainerProcess(
             entrypoint, stdout=StreamType.PIPE, stderr=StreamType.PIPE, text=True, bufsize=-1)

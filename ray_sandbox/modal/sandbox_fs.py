@@ -79,7 +79,7 @@ class SandboxFilesystem:
     """``sb.filesystem``: files of one sandbox."""
 
     def __init__(self, handle: SandboxHandle, resolve: Callable[[str], str]) -> None:
-        self._handle = handle
+        self._handle: Any = handle  # verbs made from the verb table (actor/handle.py)
         self._resolve = resolve
         self._owners: tuple[dict[int, str], dict[int, str]] | None = None
 

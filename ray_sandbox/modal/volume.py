@@ -154,10 +154,10 @@ class Volume:
         volume's node that mounts it (so it waits while another sandbox has it mounted
         read-write, up to the mount's wait)."""
         rel = posixpath.normpath("/" + path).lstrip("/")
-        helper = actor.create(image=_HELPER_IMAGE, volumes={"/v": self.name}, network="none",
+        helper: Any = actor.create(image=_HELPER_IMAGE, volumes={"/v": self.name}, network="none",
                               cpu=_HELPER_CPU, memory=_HELPER_MEMORY)
         try:
-            data = ray.get(helper.read_file.remote(f"/v/{rel}"))
+            data: bytes = ray.get(helper.read_file.remote(f"/v/{rel}"))
         except SandboxFileNotFoundError:
             raise ModalNotFoundError(f"no file {path!r} in volume {self.name!r}") from None
         finally:
