@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import ray_sandbox.modal as modal  # was: import modal
+from tests.fx_hostile import heavy
 
 pytestmark = pytest.mark.usefixtures("built_images")
 
@@ -69,7 +70,8 @@ def test_simple_code_interpreter(app):
 image = modal.Image.debian_slim(python_version="3.11").apt_install("nodejs", "ruby", "php")
 
 
-@pytest.mark.timeout(1200)  # the image's build (cached for the module's later creates)
+@heavy  # its image's first build (nodejs, ruby, php) took 284-444 s here; cached after
+@pytest.mark.timeout(1200)
 def test_safe_code_execution(app, capsys, tmp_path):
     marker = tmp_path / "host-file"
     marker.write_text("still here")
