@@ -19,8 +19,7 @@ TOKENS = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789"}
 BOB_QUOTA = "bob:sandboxes=1,cpu=1,memory=1Gi"
 LIMITS = {"max_body_bytes": 64 * 1024, "max_file_bytes": 1 << 20, "max_wait_seconds": 5.0,
           "max_execs_per_sandbox": 4, "max_output_bytes": 64 * 1024,
-          "stream_keepalive_seconds": 1.0, "max_fs_images": 1,
-          "port_host_suffix": "ports.test"}  # reached with a Host header: no DNS needed
+          "stream_keepalive_seconds": 1.0, "max_fs_images": 1}
 
 
 @dataclass(frozen=True)

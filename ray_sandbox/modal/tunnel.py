@@ -83,9 +83,11 @@ class Tunnel:
             raise ModalNotFoundError(f"no ray_sandbox service {app!r} runs on this cluster "
                                      f"({SERVICE_APP_ENV}): {exc}") from None
         signed = service.port_url.remote(handle, port).result(timeout_s=timeout)
-        where = urlsplit(signed["url"])
+        # the host form when the service has one: the app owns its whole origin, as at Modal
+        url = signed.get("host_url") or signed["url"]
+        where = urlsplit(url)
         default = 443 if where.scheme == "https" else 80
-        return cls(where.hostname or "", where.port or default, url=signed["url"],
+        return cls(where.hostname or "", where.port or default, url=url,
                    expires_at=signed["expires_at"])
 
     @property
