@@ -4,6 +4,7 @@ pytest_plugins = [
     "tests.fx_images",
     "tests.fx_agent",
     "tests.fx_network",
+    "tests.fx_inject",
     "tests.fx_runtime",
     "tests.fx_ray",
     "tests.fx_hostile",

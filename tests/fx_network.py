@@ -8,7 +8,9 @@ about the package)::
                                               (stands for the node:   web 198.18.1.1, web2 .1.2,
                                                198.18.0.1, a server    dns 198.18.1.53, metadata
                                                on its loopback)        169.254.169.254, private
-                                                                       10.99.0.1
+                                                                       10.99.0.1, api .3.1 and
+                                                                       other .3.2 (HTTPS, started
+                                                                       by tests/fx_inject.py)
 Traffic never leaves these namespaces (the node's own namespace is only used for loopback).
 """
 
@@ -37,7 +39,9 @@ NODE, INET = "rsbt-node", "rsbt-inet"
 NODE_ADDR, INET_ADDR = "198.18.0.1", "198.18.0.2"
 WEB, WEB2, DNS_SERVER = "198.18.1.1", "198.18.1.2", "198.18.1.53"
 METADATA, PRIVATE = "169.254.169.254", "10.99.0.1"
-NAMES = {"web.test": WEB, "web2.test": WEB2, "meta.test": METADATA, "private.test": PRIVATE}
+API, OTHER = "198.18.3.1", "198.18.3.2"  # HTTPS upstreams of the injection tests (their own)
+NAMES = {"web.test": WEB, "web2.test": WEB2, "meta.test": METADATA, "private.test": PRIVATE,
+         "api.test": API, "other.test": OTHER}
 NODE_PORT = 8081  # a server on the fake node's loopback and its own address
 BLOB = 64 << 20
 
@@ -166,7 +170,7 @@ def running_fake_internet() -> Iterator[FakeInternet]:
             "link set rsbt-n0 up",
             f"route add default via {INET_ADDR}",
         ])  # fmt: skip
-        inet_addrs = [WEB, WEB2, DNS_SERVER, METADATA, PRIVATE]
+        inet_addrs = [WEB, WEB2, DNS_SERVER, METADATA, PRIVATE, API, OTHER]
         ip.batch(INET, [
             "link set lo up", f"addr add {INET_ADDR}/30 dev rsbt-i0", "link set rsbt-i0 up",
             *(f"addr add {a}/32 dev lo" for a in inet_addrs),

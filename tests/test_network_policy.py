@@ -88,6 +88,13 @@ def test_nat_table_masquerades_publishes_and_redirects_dns() -> None:
     wide = policy.nat_table("rsb-0123456789ab", _sets(), p.__class__(**{
         **p.__dict__, "expose_addr": "0.0.0.0"}))
     assert "fib daddr type local tcp dport 8080" in wide
+    assert "dport 443" not in text  # no egress proxy unless the sandbox injects
+    proxied = policy.nat_table("rsb-0123456789ab", _sets(), p.__class__(**{
+        **p.__dict__, "proxy_port": 41000}))
+    assert ('iifname "rsb0123456789ab" ip daddr 10.213.0.1 tcp dport 443 dnat ip to '
+            "10.213.0.1:41000") in proxied
+    inbound = proxied.split("chain input {")[1]
+    assert inbound.index("tcp dport 41000 accept") < inbound.index("jump egress")
 
 
 def test_update_script_is_one_transaction_over_existing_objects() -> None:
@@ -122,7 +129,7 @@ def test_generated_scripts_are_accepted_by_nft(scratch_netns: str) -> None:
     sets = _sets(allow_cidrs=("10.99.0.0/24", "2001:db8::/32"), deny_cidrs=("198.18.1.2",))
     p = policy.NatParams(link="rsb0123456789ab", gateway="10.213.0.1", address="10.213.0.2",
                          subnet="10.213.0.0/30", dns_port=40000, expose_addr="0.0.0.0",
-                         ports=(8080, 9090))
+                         ports=(8080, 9090), proxy_port=41000)
     nft.apply(scratch_netns, policy.nat_table(table, sets, p))
     nft.apply(scratch_netns, policy.update_script(table, _sets(default="deny"),
                                                   {"198.18.1.1": 30}))

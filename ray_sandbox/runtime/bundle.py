@@ -9,7 +9,11 @@
     upper/, ovwork/    a private upper layer (runsc creates mount points there, never in the
                        shared image)
     run/               bind-mounted rw at /.rsb/run; the agent creates its socket here
-    etc/               generated hosts, resolv.conf, hostname (bind-mounted per file)
+    etc/               generated hosts, resolv.conf, hostname (bind-mounted per file);
+                       ca-bundle.crt with EgressPolicy.inject: the image's CA bundle plus the
+                       sandbox's egress proxy CA, bind-mounted read-only over the system bundle
+    inject-ca.pem,     with EgressPolicy.inject: the proxy's CA (network/ca.py) and its key
+    inject-ca-key.pem  (0600), which only the host's network helper reads
     work/              the writable workdir of a read-only sandbox
     overlay/           runsc's filestore for the private copy-on-write root (readonly=False)
     disk.img, disk/    a sparse ext4 image of the disk cap, loop-mounted (nosuid,nodev) on
@@ -30,12 +34,15 @@ import errno
 import os
 import shutil
 import stat
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from . import _mount, docker, procfs
 from .config import SandboxConfig, node_pids_limit
 from .errors import SandboxCreationError
+from .secrets import CA_FILE
 from .spec import (
     Capabilities,
     CpuResources,
@@ -71,6 +78,15 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 S_IFMT = 0o170000  # the file-type bits of a mode (Python's stat.S_IFMT is a function)
 # Every uid/gid a 32-bit id can name except 2^32-1 (the kernel's "no id"), mapped to itself.
 IDENTITY_MAP_SIZE = 2**32 - 1
+# Credential injection (docs/network.md): the sandbox trusts its egress proxy's CA through
+# the system bundle's path, which Debian's and Alpine's OpenSSL, GnuTLS, curl and
+# python3-certifi read, and through the variables pip-installed certifi users (requests,
+# httpx), curl and Node read; the image's own bundle stays in it.
+CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
+CA_BUNDLE_ENV = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "NODE_EXTRA_CA_CERTS")
+_IMAGE_BUNDLES = ("etc/ssl/certs/ca-certificates.crt", "etc/pki/tls/certs/ca-bundle.crt",
+                  "etc/ssl/cert.pem")
+MAX_IMAGE_BUNDLE = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -136,6 +152,10 @@ class SandboxDir:
             return self.disk
         store = self.path / "storage"
         return store if store.is_dir() else self.path
+
+    @property
+    def ca_bundle(self) -> Path:
+        return self.etc / "ca-bundle.crt"
 
     @property
     def work(self) -> Path:
@@ -277,6 +297,11 @@ def build_spec(
             Mount(destination="/etc/resolv.conf", type="bind",
                   source=str(sdir.etc / "resolv.conf"), options=["rbind", "ro"])
         )  # fmt: skip
+    if injects(config):
+        mounts.append(
+            Mount(destination=CA_BUNDLE, type="bind", source=str(sdir.ca_bundle),
+                  options=["rbind", "ro"])
+        )  # fmt: skip
     if config.readonly and config.workdir:
         mounts.append(
             Mount(destination=config.workdir, type="bind", source=str(sdir.work),
@@ -363,8 +388,64 @@ def merge_env(base: list[str], extra: dict[str, str]) -> list[str]:
     return [f"{k}={v}" for k, v in env.items()]
 
 
+def injects(config: SandboxConfig) -> bool:
+    """Whether the sandbox trusts an egress proxy's CA (created with EgressPolicy.inject)."""
+    return config.network in ("public", "sandbox") and config.egress is not None and \
+        bool(config.egress.inject)
+
+
+def ca_env(config: Mapping[str, Any]) -> dict[str, str]:
+    """The variables that point TLS clients at the trust bundle of a sandbox created with
+    EgressPolicy.inject (``config`` as its record keeps it); {} for any other."""
+    egress = config.get("egress") or {}
+    if config.get("network") not in ("public", "sandbox") or not egress.get("inject"):
+        return {}
+    return dict.fromkeys(CA_BUNDLE_ENV, CA_BUNDLE)
+
+
+def image_ca_bundle(rootfs: Path) -> bytes:
+    """The image's CA bundle (the first of the usual paths that is a regular file reached
+    without a symlink, at most 4 MiB), or b"": the image's files, read on the host, never
+    lead it anywhere else."""
+    for rel in _IMAGE_BUNDLES:
+        fd = _open_beneath(rootfs, rel)
+        if fd is None:
+            continue
+        with os.fdopen(fd, "rb") as f:
+            if stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                data = f.read(MAX_IMAGE_BUNDLE + 1)
+                if len(data) <= MAX_IMAGE_BUNDLE:
+                    return data if data.endswith(b"\n") or not data else data + b"\n"
+    return b""
+
+
+def _open_beneath(root: Path, rel: str) -> int | None:
+    """``root/rel`` opened one component at a time, refusing every symlink."""
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return None
+    parts = rel.split("/")
+    try:
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            flags = os.O_RDONLY | os.O_NOFOLLOW | (os.O_NONBLOCK if last else os.O_DIRECTORY)
+            nxt = os.open(part, flags, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        return fd
+    except OSError:
+        os.close(fd)
+        return None
+
+
 def write_bundle(sdir: SandboxDir, spec: Spec, *, hostname: str, resolv_conf: str | None,
                  hosts: str | None = None) -> None:
+    if any(m.source == str(sdir.ca_bundle) for m in spec.mounts):
+        # the proxy's CA (network/ca.py made it at attach) after the image's own
+        ca = sdir.path / CA_FILE
+        extra = ca.read_bytes() if ca.is_file() else b""
+        sdir.ca_bundle.write_bytes(image_ca_bundle(Path(spec.root.path)) + extra)
     (sdir.etc / "hosts").write_text(hosts or hosts_file(hostname))
     (sdir.etc / "hostname").write_text(hostname + "\n")
     if resolv_conf is not None:

@@ -21,6 +21,7 @@ from pydantic import (
     model_validator,
 )
 
+from . import secrets
 from .errors import ConfigError
 
 DEFAULT_IMAGE = "ray-sandbox/python:latest"
@@ -133,12 +134,74 @@ def parse_size(value: int | str) -> int:
     return n
 
 
+class HeaderInjection(BaseModel):
+    """Headers the node's egress proxy sets (or replaces) on every HTTPS request the sandbox
+    sends to ``domain``, outside gVisor (docs/network.md, "Credential injection"). A value
+    may name keys of ``secret`` (a secret of the runtime's :class:`~.secrets.SecretStore`):
+    ``$KEY`` or ``${KEY}``, ``$$`` for a literal ``$``. The proxy reads the secret at each
+    request, so its values never enter the sandbox and a deleted secret stops at once."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    domain: str = Field(description="a domain of allow_domains: 'api.example.com' or "
+                        "'*.example.com' (its subdomains)")
+    headers: dict[str, str] = Field(description="header name -> value template")
+    secret: str | None = Field(None, description="the secret whose keys the values name")
+
+    @field_validator("domain")
+    @classmethod
+    def _domain(cls, v: str) -> str:
+        return _valid_domain(v)
+
+    @field_validator("secret")
+    @classmethod
+    def _secret(cls, v: str | None) -> str | None:
+        return None if v is None else secrets.check_name(v)
+
+    @model_validator(mode="after")
+    def _templates(self) -> HeaderInjection:
+        if not 0 < len(self.headers) <= secrets.MAX_HEADERS:
+            raise ValueError(f"headers: 1 to {secrets.MAX_HEADERS} per domain")
+        for name, value in self.headers.items():
+            keys = secrets.check_header(name, value)
+            if keys and self.secret is None:
+                raise ValueError(f"header {name!r} names ${keys[0]}: give the secret= that "
+                                 "holds it")
+        return self
+
+
+def _valid_domain(d: str) -> str:
+    d2 = d.strip().lower().rstrip(".")
+    if not d2 or len(d2) > 253 or not _DOMAIN_RE.match(d2):
+        raise ValueError(f"invalid domain {d!r}")
+    return d2
+
+
+def covers(pattern: str, allowed: tuple[str, ...]) -> bool:
+    """Whether every name ``pattern`` matches is matched by one of ``allowed`` (the
+    ``allow_domains`` syntax: ``a.b`` itself, ``*.a.b`` its subdomains only)."""
+    wild = pattern.startswith("*.")
+    base = pattern[2:] if wild else pattern
+    for a in allowed:
+        if a == pattern:
+            return True
+        if a.startswith("*.") and (base.endswith("." + a[2:]) or (wild and base == a[2:])):
+            return True
+    return False
+
+
+MAX_INJECT_RULES = 64
+
+
 class EgressPolicy(BaseModel):
     """Where a ``public``/``sandbox`` network may connect to, enforced outside gVisor.
 
     Private, link-local (cloud metadata), CGNAT, multicast and the node's own addresses are
     denied unless listed in ``allow_cidrs``; ``allow_domains`` admits the addresses those
     names resolve to through the sandbox's resolver. ``deny_cidrs`` wins over everything.
+    ``inject`` sets headers on HTTPS requests to some of ``allow_domains`` through the
+    node's egress proxy, with values the sandbox never sees (a sandbox created with it
+    trusts the proxy's CA).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -165,16 +228,27 @@ class EgressPolicy(BaseModel):
                 raise ValueError(f"invalid CIDR {c!r}") from exc
         return tuple(out)
 
+    inject: tuple[HeaderInjection, ...] = Field(
+        (), description="headers set on HTTPS requests to allowed domains by the node's "
+        "egress proxy, from secrets the sandbox never sees (docs/network.md)")
+
     @field_validator("allow_domains")
     @classmethod
     def _domains(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        out = []
-        for d in v:
-            d2 = d.strip().lower().rstrip(".")
-            if not d2 or len(d2) > 253 or not _DOMAIN_RE.match(d2):
-                raise ValueError(f"invalid domain {d!r}")
-            out.append(d2)
-        return tuple(out)
+        return tuple(_valid_domain(d) for d in v)
+
+    @model_validator(mode="after")
+    def _inject(self) -> EgressPolicy:
+        if len(self.inject) > MAX_INJECT_RULES:
+            raise ValueError(f"inject: at most {MAX_INJECT_RULES} rules")
+        seen = set()
+        for rule in self.inject:
+            if rule.domain in seen:
+                raise ValueError(f"inject: {rule.domain!r} twice; give its headers in one rule")
+            seen.add(rule.domain)
+            if not covers(rule.domain, self.allow_domains):
+                raise ValueError(f"inject: {rule.domain!r} is not in allow_domains")
+        return self
 
 
 VOLUME_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
@@ -553,6 +627,8 @@ def boot_key(cfg: SandboxConfig) -> str | None:
         return None  # a volume is mounted at boot, and a read-write one is held while mounted
     if cfg.expose_ports:
         return None  # a stocked copy would hold the node's ports before anyone asked for them
+    if cfg.egress is not None and cfg.egress.inject:
+        return None  # it trusts its proxy's CA from boot on; a stocked copy trusts none
     boot = cfg.model_dump(mode="json", exclude=set(PERSONAL_FIELDS))
     return json.dumps(boot, sort_keys=True, separators=(",", ":"))
 

@@ -79,6 +79,9 @@
     ProtocolError (ValueError)        a malformed agent frame, raised by the pure wire codec and
                                       turned into AgentProtocolError at the one connection
                                       boundary (agent/conn.py); never reaches a caller
+    ProxyRefusal                      an HTTP request a sandbox's egress proxy answers itself
+                                      (status and reason: network/inject.py); it goes back to
+                                      the sandbox as that response, never to a caller
 
 A command that runs and exits non-zero is a result (``ExecResult.exit_code``), never an error.
 """
@@ -589,6 +592,15 @@ class ModalServerWarning(UserWarning):
 
 class ProtocolError(ValueError):
     """The agent sent something the wire protocol does not allow (internal: see above)."""
+
+
+class ProxyRefusal(Exception):
+    """A request the egress proxy refuses (internal: see above): the HTTP status, its
+    reason phrase and the message the sandbox reads in the response body."""
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.reason = status, reason
 
 
 # Reprs and tracebacks name the public home of every error, not this private module.

@@ -36,11 +36,11 @@ def argv_of(rec: SandboxRecord, command: str | list[str], shell: str | None) -> 
 
 
 def env_of(rec: SandboxRecord, env: Mapping[str, str] | None) -> list[str]:
-    """The image's environment, then the sandbox's, then the call's; tool bundles' bin/
-    directories end PATH."""
+    """The image's environment, then the trust bundle's (a sandbox that injects), the
+    sandbox's, the call's; tool bundles' bin/ directories end PATH."""
     if env is not None and not isinstance(env, Mapping):
         raise ConfigError("env must be a mapping of names to strings", sandbox_id=rec.sandbox_id)
-    merged = {**rec.config.get("env", {}), **(env or {})}
+    merged = {**bundle.ca_env(rec.config), **rec.config.get("env", {}), **(env or {})}
     for k, v in merged.items():
         if not isinstance(k, str) or not isinstance(v, str):
             raise ConfigError(f"environment variable {k!r}: names and values must be strings",

@@ -78,6 +78,7 @@ from .results import (
     SandboxStatus,
 )
 from .runsc import Runsc
+from .secrets import SecretStore
 from .snapshot import Snapshot, SnapshotDir, SnapshotStore, copy_tree
 from .verbs import (
     VERBS,
@@ -205,6 +206,9 @@ class SandboxRuntime:
         self.records = Records(self.sandboxes_dir)
         self.snapshots = SnapshotStore(self.snapshots_dir)
         self.volumes = VolumeStore(self.home)
+        # what EgressPolicy.inject rules name: read by each sandbox's egress proxy at every
+        # request (docs/network.md, "Credential injection")
+        self.secrets = SecretStore.of_home(self.home)
         self.images = images or ImageStore(paths.images(self.home))
         self.runsc = Runsc(self.home / "runsc")
         self.runsc.root.mkdir(parents=True, exist_ok=True)

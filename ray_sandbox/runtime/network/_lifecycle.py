@@ -18,10 +18,20 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..config import EgressPolicy, SandboxConfig
 from ..errors import ConfigError, NetworkError, SandboxError
-from . import alloc, dns, ip, nft, policy, procs, slirp4netns
+from ..secrets import SecretStore
+from . import alloc, ca, dns, ip, nft, policy, procs, slirp4netns
 from . import netns as _netns
 from . import state as _state
-from .settings import NodeSettings, host_link, is_sandbox_id, node_dir, settings, tag, tag_of
+from .settings import (
+    NodeSettings,
+    host_link,
+    is_sandbox_id,
+    metrics_file,
+    node_dir,
+    settings,
+    tag,
+    tag_of,
+)
 from .state import NetworkState
 
 MODES = ("none", "host", "public", "sandbox")
@@ -58,10 +68,11 @@ def attach(sandbox_id: str, config: SandboxConfig, state_dir: Path,
     if mode == "host":
         return NetworkAttachment(mode=mode, runsc_network="host", resolv_conf=_host_resolv())
     node = settings()
+    egress = config.egress or EgressPolicy()
     st = NetworkState(
         sandbox_id=sandbox_id, mode=mode, tag=tag_, upstream=node.upstream_netns,
-        internal=(node.veth_pool,), egress=config.egress or EgressPolicy(),
-        expose_addr=node.expose_addr, ports=config.expose_ports,
+        internal=(node.veth_pool,), egress=egress, expose_addr=node.expose_addr,
+        ports=config.expose_ports, inject=bool(egress.inject),
     )  # fmt: skip
     if (_netns.NETNS_DIR / tag_).exists() or _state.load(state_dir) is not None:
         raise NetworkError(f"network of {sandbox_id} already exists", sandbox_id=sandbox_id)
@@ -145,15 +156,17 @@ def _sets(st: NetworkState, egress: EgressPolicy) -> policy.Sets:
 
 def _start_dns(
     st: NetworkState, config: SandboxConfig, state_dir: Path, listen: tuple[str, int],
-    nft_netns: str | None,
-) -> int:
+    nft_netns: str | None, sets: policy.Sets,
+) -> tuple[int, int | None]:
     """Bind the helper's sockets in the namespace the sandbox reaches them from, start it in
-    the upstream; returns the port it listens on."""
-    _write_policy(state_dir, st.egress)
+    the upstream; returns the port it listens on for DNS, and the egress proxy's port if the
+    sandbox injects (the helper runs its proxy too: network/inject.py)."""
+    _write_policy(state_dir, st.egress, sets)
     # sandbox mode publishes ports by DNAT: the helper holds them, so nothing else binds them
     held = _netns.hold_ports(st.upstream, st.expose_addr, st.ports) \
         if st.mode == "sandbox" else []
-    udp, tcp = _netns.bind_dns(st.netns if st.mode == "public" else st.upstream, *listen)
+    where = st.netns if st.mode == "public" else st.upstream
+    udp, tcp = _netns.bind_dns(where, *listen)
     with udp, tcp, contextlib.ExitStack() as holding:
         for s in held:
             holding.enter_context(s)
@@ -165,16 +178,53 @@ def _start_dns(
             "udp_fd": udp.fileno(), "tcp_fd": tcp.fileno(),
             "held_fds": [s.fileno() for s in held],
         }  # fmt: skip
+        fds = [udp.fileno(), tcp.fileno(), *cfg["held_fds"]]
+        proxy_port = None
+        if st.inject:
+            # public: 127.0.0.53:443 in the sandbox's own netns; sandbox: any port of the
+            # gateway, reached through the DNAT of gateway:443 (the node may serve 443)
+            proxy = holding.enter_context(_netns.bind_proxy(
+                where, listen[0], 443 if st.mode == "public" else 0))
+            proxy_port = proxy.getsockname()[1]
+            cfg["inject"] = _inject_config(st, state_dir, proxy.fileno(), listen[0])
+            fds.append(proxy.fileno())
         proc = dns.start(tag=st.tag, config=cfg, state_dir=state_dir, upstream=st.upstream,
-                         fds=[udp.fileno(), tcp.fileno(), *cfg["held_fds"]])
-        _step(st, state_dir, procs=[*st.procs, procs.track(proc, "dns")])
+                         fds=fds)
+        _step(st, state_dir, procs=[*st.procs, procs.track(proc, "dns")],
+              proxy_port=proxy_port)
         port: int = udp.getsockname()[1]
-        return port
+        return port, proxy_port
 
 
-def _write_policy(state_dir: Path, egress: EgressPolicy) -> None:
+def _inject_config(st: NetworkState, state_dir: Path, fd: int, steer_to: str
+                   ) -> dict[str, Any]:
+    """What the helper's egress proxy needs: its CA (made here, its key never leaves this
+    directory), the secret store and audit file of the runtime owning the sandbox (its home:
+    the parent of its sandboxes dir), the node's trust store for upstream TLS."""
+    ca.make_ca(state_dir, st.sandbox_id)
+    home = state_dir.resolve().parent.parent
+    audit = home / "audit"
+    audit.mkdir(mode=0o700, exist_ok=True)
+    metrics = metrics_file(st.tag)
+    metrics.parent.mkdir(parents=True, exist_ok=True)
+    return {
+        "sandbox_id": st.sandbox_id, "state_dir": str(state_dir), "proxy_fd": fd,
+        "steer_to": steer_to,
+        "peer": _address(st) if st.mode == "sandbox" else None,
+        "store_dir": str(SecretStore.of_home(home).root),
+        "policy_path": str(state_dir / _state.POLICY_FILE),
+        "audit_path": str(audit / "inject.jsonl"), "metrics_path": str(metrics),
+        "upstream_ca": settings().inject_ca,
+    }  # fmt: skip
+
+
+def _write_policy(state_dir: Path, egress: EgressPolicy, sets: policy.Sets) -> None:
+    """egress.json: what the DNS helper filters by, and what its egress proxy injects and
+    which addresses it may connect to (the same tiers as the nft table)."""
+    data = egress.model_dump(mode="json", include={"allow_domains", "default", "inject"})
+    data["sets"] = {"cidrs": dict(sets.cidrs), "private_domains": sets.private_domains}
     tmp = state_dir / (_state.POLICY_FILE + ".tmp")
-    tmp.write_text(egress.model_dump_json(include={"allow_domains", "default"}))
+    tmp.write_text(json.dumps(data))
     os.replace(tmp, state_dir / _state.POLICY_FILE)
 
 
@@ -192,9 +242,10 @@ def _attach_public(st: NetworkState, config: SandboxConfig, state_dir: Path) -> 
     # which does not own this netns: without this, binding ports < 1024 fails (EACCES).
     # Per netns, so it reaches only this sandbox's namespace.
     _netns.write_sysctl(st.tag, "net.ipv4.ip_unprivileged_port_start", "0")
-    nft.apply(st.tag, policy.public_table(st.tag, _sets(st, st.egress)))
+    sets = _sets(st, st.egress)
+    nft.apply(st.tag, policy.public_table(st.tag, sets))
     _step(st, state_dir, table=True, table_netns=st.tag)
-    _start_dns(st, config, state_dir, (PUBLIC_DNS_ADDR, 53), nft_netns=st.tag)
+    _start_dns(st, config, state_dir, (PUBLIC_DNS_ADDR, 53), nft_netns=st.tag, sets=sets)
     slirp4netns.wait_ready(starting, log)
     for port in st.ports:
         slirp4netns.add_hostfwd(api, st.expose_addr, port, port)
@@ -216,12 +267,14 @@ def _attach_nat(st: NetworkState, config: SandboxConfig, state_dir: Path) -> Net
     if st.ports:
         # DNAT from the node's loopback to the veth needs 127/8 sources routable there
         _netns.write_sysctl(st.upstream, f"net.ipv4.conf.{link}.route_localnet", "1")
-    dns_port = _start_dns(st, config, state_dir, (gateway, 0), nft_netns=st.upstream)
+    sets = _sets(st, st.egress)
+    dns_port, proxy_port = _start_dns(st, config, state_dir, (gateway, 0),
+                                      nft_netns=st.upstream, sets=sets)
     params = policy.NatParams(
         link=link, gateway=gateway, address=address, subnet=str(net), dns_port=dns_port,
-        expose_addr=st.expose_addr, ports=st.ports,
+        expose_addr=st.expose_addr, ports=st.ports, proxy_port=proxy_port,
     )  # fmt: skip
-    nft.apply(st.upstream, policy.nat_table(st.tag, _sets(st, st.egress), params))
+    nft.apply(st.upstream, policy.nat_table(st.tag, sets, params))
     _step(st, state_dir, table=True, table_netns=st.upstream)
     return NetworkAttachment(
         mode="sandbox", runsc_network="sandbox", netns_path=_netns.netns_path(st.tag),
@@ -268,6 +321,8 @@ def _teardown(st: NetworkState, state_dir: Path) -> None:
         attempt(partial(ip.netns_delete, st.netns))
     if st.api_socket:
         attempt(partial(Path(st.api_socket).unlink, missing_ok=True))
+    if st.inject:
+        attempt(partial(metrics_file(st.tag).unlink, missing_ok=True))
     if not errors:  # while anything is left, the lease keeps it visible to gc
         attempt(lambda: _release({st.sandbox_id}))
     if errors:
@@ -305,8 +360,12 @@ def set_egress(sandbox_id: str, state_dir: Path, egress: EgressPolicy | dict[str
         egress = EgressPolicy.model_validate(egress)
     except ValidationError as exc:
         raise ConfigError(f"invalid egress policy: {exc}", sandbox_id=sandbox_id) from None
-    _write_policy(state_dir, egress)
-    script = policy.update_script(st.tag, _sets(st, egress), _cached(state_dir, egress))
+    if egress.inject and not st.inject:
+        raise ConfigError("inject= needs a sandbox created with inject: only such a sandbox "
+                          "trusts its egress proxy's CA", sandbox_id=sandbox_id)
+    sets = _sets(st, egress)
+    _write_policy(state_dir, egress, sets)  # the proxy reads it at its next request
+    script = policy.update_script(st.tag, sets, _cached(state_dir, egress))
     nft.apply(st.table_netns, script)
     for ref in st.procs:
         if ref.what == "dns":
@@ -444,6 +503,10 @@ def _sweep(tags: set[str]) -> list[str]:
         if tag_of(name) in tags:
             ip.netns_delete(name)
             removed.append(f"netns {name}")
+    for t in tags:
+        with contextlib.suppress(FileNotFoundError):
+            metrics_file(t).unlink()
+            removed.append(f"metrics {t}")
     return removed
 
 
@@ -464,6 +527,7 @@ def leftovers() -> dict[str, list[str]]:
         "nft_tables": [],
         "processes": [f"{pid} ({t})" for pid, t in sorted(procs.ours().items())],
         "mounts": [],
+        "metrics": [],
         "leases": [],
     }
     for upstream in _upstreams():
@@ -472,5 +536,7 @@ def leftovers() -> dict[str, list[str]]:
                               if tag_of(n)]
     with open("/proc/self/mountinfo") as f:
         out["mounts"] = [m for line in f if tag_of(Path(m := line.split()[4]).name)]
+    metrics = metrics_file("x").parent
+    out["metrics"] = sorted(p.name for p in metrics.glob("*.prom")) if metrics.is_dir() else []
     out["leases"] = sorted(alloc.read().sandbox_ids())
     return out

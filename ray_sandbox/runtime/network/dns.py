@@ -8,6 +8,11 @@ lookup is already allowed. It runs in the upstream namespace (its own queries ne
 sandbox's filter) while its listening sockets, bound by :func:`start`'s caller and inherited,
 sit where the sandbox can reach them. Imports stay light: this is one process per sandbox.
 
+For a sandbox created with ``EgressPolicy.inject`` it also runs the sandbox's egress proxy
+(``inject.py``, in a thread): lookups of a name an inject rule covers are answered with the
+proxy's address (A only; other types get an empty answer), so HTTPS to those names goes
+through the proxy and nothing else does.
+
 Run as ``python -m ray_sandbox.runtime.network.dns CONFIG.json --tag rsb-<tag>``; SIGHUP
 re-reads the policy file, SIGTERM stops it.
 """
@@ -48,6 +53,9 @@ TCP_MAX_CONNS = 32  # open TCP connections, one thread each; more are closed at 
 TCP_MAX_QUERIES = 64  # per connection, then it is closed
 TCP_DEADLINE = 20.0  # seconds a TCP connection may stay open, however slowly it sends
 MAX_THREADS = 3 + UDP_WORKERS + TCP_MAX_CONNS  # + main, the UDP reader, the TCP acceptor
+# with the egress proxy: its loop and its 4 resolver threads
+MAX_THREADS_INJECT = MAX_THREADS + 5
+STEER_TTL = 10  # seconds a sandbox may keep the proxy's address for an injecting name
 
 
 def resolv_conf(server: str) -> str:
@@ -100,6 +108,13 @@ def addresses(msg: bytes) -> list[tuple[str, int]]:
     return out
 
 
+def query(name: str, qtype: int, qid: int = 0) -> bytes:
+    """A recursive query for ``name``."""
+    labels = b"".join(bytes([len(p)]) + p.encode("ascii") for p in name.split(".") if p)
+    return struct.pack("!HHHHHH", qid, 0x0100, 1, 0, 0, 0) + labels + b"\0" + \
+        struct.pack("!HH", qtype, 1)
+
+
 def reply(query: bytes, rcode: int, answers: Sequence[str] = (), ttl: int = 60) -> bytes:
     """A response to ``query`` carrying ``answers`` (addresses of the queried type)."""
     _, qtype, end = question(query)
@@ -136,6 +151,8 @@ class Helper:
         self.cache: dict[str, tuple[str, float]] = {}  # address -> (name, expiry)
         self.domains: tuple[str, ...] = ()
         self.default = "allow"
+        self.steer_to: str | None = cfg.get("inject", {}).get("steer_to")  # the proxy
+        self.injecting: tuple[str, ...] = ()
         self.reload()
 
     def reload(self) -> None:
@@ -145,6 +162,7 @@ class Helper:
         with self.lock:
             self.domains = tuple(rules["allow_domains"])
             self.default = rules["default"]
+            self.injecting = tuple(r["domain"] for r in rules.get("inject", ()))
             now = time.time()
             self.cache = {a: (n, exp) for a, (n, exp) in self.cache.items()
                           if exp > now and policy.domain_allowed(n, self.domains)}
@@ -164,6 +182,8 @@ class Helper:
             return None
         if not self.permitted(name):
             return reply(query, REFUSED)
+        if self.steer_to and policy.domain_allowed(name, self.injecting):
+            return reply(query, NOERROR, [self.steer_to], ttl=STEER_TTL)
         answer = self._forward(query)
         if answer is None:
             return reply(query, SERVFAIL)
@@ -182,6 +202,20 @@ class Helper:
                 self.cache.update({a: (name, exp + t) for a, t in found.items()})
                 self._save()
         return answer
+
+    def lookup(self, name: str) -> list[str]:
+        """``name``'s addresses from the upstream resolvers (IPv4 first), for the proxy:
+        never the steered answer, never the node's resolver."""
+        out: list[str] = []
+        for qtype in (A, AAAA):
+            if out:
+                break
+            answer = self._forward(query(name, qtype, int.from_bytes(os.urandom(2), "big")))
+            try:
+                out += [a for a, _ in addresses(answer)] if answer else []
+            except (ValueError, IndexError, struct.error):
+                continue
+        return list(dict.fromkeys(out))
 
     def _admit(self, found: Mapping[str, float]) -> None:
         if found:
@@ -316,7 +350,8 @@ def main(argv: Sequence[str]) -> None:
     # A helper whose owner died is adopted by a subreaper that must know it may reap it:
     # its comm would otherwise be the interpreter's, which the subreaper leaves alone.
     ctypes.CDLL(None).prctl(_PR_SET_NAME, COMM.encode(), 0, 0, 0)
-    helper = Helper(json.loads(Path(argv[0]).read_text()))
+    cfg = json.loads(Path(argv[0]).read_text())
+    helper = Helper(cfg)
     hup = threading.Event()
     signal.signal(signal.SIGHUP, lambda *_: hup.set())
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
@@ -326,6 +361,10 @@ def main(argv: Sequence[str]) -> None:
         threading.Thread(target=helper.work_udp, args=(queue,), daemon=True).start()
     threading.Thread(target=helper.serve_udp, args=(queue,), daemon=True).start()
     threading.Thread(target=helper.serve_tcp, daemon=True).start()
+    if cfg.get("inject"):
+        from . import inject  # ssl, asyncio, cryptography: only where a sandbox injects
+
+        inject.start(cfg["inject"], helper.lookup)
     while True:
         hup.wait()
         hup.clear()

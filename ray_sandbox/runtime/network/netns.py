@@ -168,3 +168,24 @@ def bind_dns(name: str | None, addr: str, port: int) -> tuple[socket.socket, soc
         return run_in(name, bind)
     except OSError as exc:
         raise NetworkError(f"cannot bind the DNS helper on {addr}:{port}: {exc}") from exc
+
+
+def bind_proxy(name: str | None, addr: str, port: int) -> socket.socket:
+    """The egress proxy's listening TCP socket on ``addr:port`` in netns ``name`` (port 0 =
+    any); its backlog holds connections that arrive before the helper accepts."""
+
+    def bind() -> socket.socket:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((addr, port))
+            s.listen(256)
+        except OSError:
+            s.close()
+            raise
+        return s
+
+    try:
+        return run_in(name, bind)
+    except OSError as exc:
+        raise NetworkError(f"cannot bind the egress proxy on {addr}:{port}: {exc}") from exc

@@ -65,6 +65,7 @@ class NatParams:
     dns_port: int  # where the DNS helper listens on the gateway
     expose_addr: str
     ports: tuple[int, ...]
+    proxy_port: int | None = None  # the egress proxy on the gateway, reached as gateway:443
 
 
 def split(cidrs: Iterable[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -177,14 +178,20 @@ def nat_table(table: str, sets: Sets, p: NatParams) -> str:
     dns = f"meta l4proto {{ tcp, udp }} th dport {p.dns_port}"
     local = "fib daddr type local" if p.expose_addr == "0.0.0.0" else f"ip daddr {p.expose_addr}"
     dnat = [f"{local} tcp dport {port} dnat ip to {p.address}:{port}" for port in p.ports]
+    proxy_in, proxy_dnat = [], []
+    if p.proxy_port is not None:  # the egress proxy: names it injects into resolve to gateway
+        proxy_in = [f"{iif} ip daddr {p.gateway} tcp dport {p.proxy_port} accept"]
+        proxy_dnat = [f"{iif} ip daddr {p.gateway} tcp dport 443 "
+                      f"dnat ip to {p.gateway}:{p.proxy_port}"]
     chains = [
         *_chain("forward", "forward", [f"{iif} oifname . tcp dport @peers accept",
                                        f"{iif} ct direction original jump egress"]),
-        *_chain("input", "input", [f"{iif} ip daddr {p.gateway} {dns} accept",
+        *_chain("input", "input", [f"{iif} ip daddr {p.gateway} {dns} accept", *proxy_in,
                                    f"{iif} ct direction original jump egress"]),
         *_chain("prerouting", "prerouting", [
             f"{iif} ip daddr {p.gateway} meta l4proto {{ tcp, udp }} th dport 53 "
             f"dnat ip to {p.gateway}:{p.dns_port}",
+            *proxy_dnat,
             *dnat,
         ], "dstnat"),
         *_chain("output_nat", "output", dnat, "dstnat"),

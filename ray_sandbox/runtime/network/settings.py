@@ -36,6 +36,14 @@ class NodeSettings(BaseModel):
     expose_addr: str = "127.0.0.1"
     veth_pool: str = "10.213.0.0/16"
     pull_dns: tuple[str, ...] = ()  # resolvers of isolated pulls; () = the node's own
+    inject_ca: str | None = None  # what the egress proxy trusts upstream; None = the node's store
+
+    @field_validator("inject_ca")
+    @classmethod
+    def _ca_file(cls, v: str | None) -> str | None:
+        if v and not Path(v).is_file():
+            raise ValueError(f"RAY_SANDBOX_NET_INJECT_CA {v!r} is not a file")
+        return v or None
 
     @field_validator("pull_dns")
     @classmethod
@@ -72,6 +80,7 @@ def settings() -> NodeSettings:
             veth_pool=env.get("RAY_SANDBOX_NET_POOL", "10.213.0.0/16"),
             pull_dns=tuple(a.strip() for a in env.get("RAY_SANDBOX_NET_PULL_DNS", "").split(",")
                            if a.strip()),
+            inject_ca=env.get("RAY_SANDBOX_NET_INJECT_CA") or None,
         )
     except ValueError as exc:
         raise ConfigError(f"invalid RAY_SANDBOX_NET_* setting: {exc}") from None
@@ -86,6 +95,12 @@ def node_dir() -> Path:
     and a table per home let one home's gc and deletes undo another's. It lives in /run beside
     /run/netns because both describe kernel objects that a reboot removes."""
     return NODE_DIR
+
+
+def metrics_file(tag_: str) -> Path:
+    """The Prometheus textfile of a sandbox's egress proxy (node_exporter's textfile
+    collector reads the directory)."""
+    return NODE_DIR / "metrics" / f"{tag_}.prom"
 
 
 def is_sandbox_id(value: str) -> bool:

@@ -9,11 +9,14 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from ..config import EgressPolicy
+from ..secrets import CA_FILE, CA_KEY_FILE
 from .procs import ProcRef
 
 FILE = "network.json"
 POLICY_FILE = "egress.json"  # read by the DNS helper
 CACHE_FILE = "dns-cache.json"  # written by the DNS helper: address -> (name, expiry)
+# the egress proxy's (network/inject.py): its CA, and the leaf key and last certificate it wrote
+INJECT_FILES = (CA_FILE, CA_KEY_FILE, "inject-leaf-key.pem", "inject-leaf.pem")
 
 
 class NetworkState(BaseModel):
@@ -33,6 +36,8 @@ class NetworkState(BaseModel):
     api_socket: str | None = None
     procs: list[ProcRef] = Field(default_factory=list)
     peers: list[tuple[str, int]] = Field(default_factory=list)  # (sandbox id, port) it links to
+    inject: bool = False  # created with EgressPolicy.inject: its CA exists, its proxy listens
+    proxy_port: int | None = None  # where the proxy listens (sandbox mode: DNAT from 443)
 
 
 def save(state_dir: Path, state: NetworkState) -> None:
@@ -49,5 +54,5 @@ def load(state_dir: Path) -> NetworkState | None:
 
 
 def remove(state_dir: Path) -> None:
-    for name in (FILE, POLICY_FILE, CACHE_FILE, "dns.json"):
+    for name in (FILE, POLICY_FILE, CACHE_FILE, "dns.json", *INJECT_FILES):
         (state_dir / name).unlink(missing_ok=True)
