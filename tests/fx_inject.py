@@ -80,6 +80,7 @@ def _cert(subject: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Name,
 def _handler(name: str, ups: Upstreams) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        disable_nagle_algorithm = True  # the head and the body are two writes
 
         def _handle(self) -> None:
             length = int(self.headers.get("content-length") or 0)
