@@ -200,7 +200,8 @@ def test_set_egress_validates_and_needs_an_attachment(tmp_path: Path, upstream) 
             network.set_egress(sid, tmp_path / sid, {"allow_cidrs": ["300.1.1.1/8"]})
         network.set_egress(sid, tmp_path / sid, EgressPolicy(default="deny"))
         rules = json.loads((tmp_path / sid / "egress.json").read_text())
-        assert rules == {"allow_domains": [], "default": "deny"}
+        assert (rules["allow_domains"], rules["default"], rules["inject"]) == ([], "deny", [])
+        assert "10.213.0.0/16" in rules["sets"]["cidrs"]["deny4"]  # what the proxy checks
     finally:
         network.detach(sid, tmp_path / sid)
 

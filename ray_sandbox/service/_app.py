@@ -39,6 +39,7 @@ from ._models import (
     check_path,
 )
 from ._sandboxes import Sandboxes
+from ._secrets import PutSecret, TenantSecrets
 from ._state import connect
 
 PREFIX = "/api/v1"
@@ -282,7 +283,7 @@ def build_app(config: ServiceConfig, sandboxes: Sandboxes | None = None) -> Any:
         return {"status": "ok"}
 
     for routes in (_sandbox_routes, _exec_routes, _file_routes, _port_routes, _link_routes,
-                   _kept_routes, _volume_routes, _terminal_routes):
+                   _kept_routes, _volume_routes, _secret_routes, _terminal_routes):
         routes(app, sandboxes, config)
     return Guard(app, config, sandboxes.replica, sandboxes.port_payer)
 
@@ -293,9 +294,13 @@ def tenant(request: Request) -> str:
 
 def _sandbox_routes(app: FastAPI, sandboxes: Sandboxes, config: ServiceConfig) -> None:
     """Create, list, look at and delete the tenant's sandboxes."""
+    secrets = TenantSecrets()
+
     @app.post(f"{PREFIX}/sandboxes", status_code=202)
     async def create_sandbox(request: Request, body: CreateSandbox) -> Created:
-        entry = await sandboxes.create(tenant(request), body)
+        # a rule's secret, named as the tenant knows it, becomes the tenant's own
+        entry = await sandboxes.create(tenant(request),
+                                       await secrets.scoped(tenant(request), body))
         return Created(sandbox_id=entry.api_id)
 
     @app.get(f"{PREFIX}/sandboxes")
@@ -509,6 +514,25 @@ def _kept_routes(app: FastAPI, sandboxes: Sandboxes, config: ServiceConfig) -> N
         """Running copies of a running sandbox (snapshot + restore)."""
         entry = await sandboxes.running(tenant(request), sandbox_id)
         return {"sandboxes": await sandboxes.fork(entry, copies(body))}
+
+def _secret_routes(app: FastAPI, sandboxes: Sandboxes, config: ServiceConfig) -> None:
+    """The tenant's secrets for credential injection: stored on every node, never shown."""
+    secrets = TenantSecrets()
+
+    @app.put(f"{PREFIX}/secrets/{{name}}", status_code=204)
+    async def put_secret(request: Request, name: str, body: PutSecret) -> Response:
+        await secrets.put(tenant(request), name, body.values)
+        return Response(status_code=204)
+
+    @app.get(f"{PREFIX}/secrets")
+    async def list_secrets(request: Request) -> dict[str, list[str]]:
+        return {"secrets": await secrets.list(tenant(request))}
+
+    @app.delete(f"{PREFIX}/secrets/{{name}}", status_code=204)
+    async def delete_secret(request: Request, name: str) -> Response:
+        await secrets.delete(tenant(request), name)
+        return Response(status_code=204)
+
 
 def _volume_routes(app: FastAPI, sandboxes: Sandboxes, config: ServiceConfig) -> None:
     """The tenant's named volumes."""

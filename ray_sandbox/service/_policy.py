@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 import socket
 import threading
 import time
@@ -49,6 +50,7 @@ RESERVED_LABELS = "ray-sandbox/"  # the Ray layer's and the service's own labels
 FS_IMAGE_SCHEME = "fs-image://"  # a tenant's filesystem images (``_kept``)
 AUTO_PIDS_MAX = 4096  # the most pids_limit="auto" gives on any node (runtime/config.py)
 RESOLVE_TIMEOUT = 5.0
+SECRET_SCOPE_PREFIX = "t-"  # a tenant's secrets on the nodes: t-<hash of the tenant>/<name>
 T = TypeVar("T")
 
 
@@ -362,10 +364,16 @@ def _dns(a: Ask) -> None:
 
 def _egress(a: Ask) -> None:
     """allow_cidrs must be public (or within egress_cidrs); domain answers open no private
-    address (unless private_domains); every node of the cluster is denied"""
+    address (unless private_domains); every node of the cluster is denied; inject names only
+    the tenant's own secrets (the service puts them in its scope)"""
     eg = a.config.egress
     if eg is None:
         return
+    for rule in eg.inject:
+        if rule.secret is not None and not re.match(rf"^{SECRET_SCOPE_PREFIX}[0-9a-f]{{16}}/",
+                                                    rule.secret):
+            raise Refused("egress", f"inject: secret {rule.secret!r} is not one of the "
+                                    "tenant's (PUT /secrets/{name} stores one)")
     for cidr in eg.allow_cidrs:
         net = ipaddress.ip_network(cidr)
         inside = any(net.version == o.version and net.subnet_of(o)  # type: ignore[arg-type]

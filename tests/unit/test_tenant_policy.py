@@ -198,3 +198,20 @@ def test_published_ports_stay_within_the_policys_range():
     assert run({"network": "sandbox", "expose_ports": [8080]}).expose_ports == (8080,)
     refused({"network": "sandbox", "expose_ports": [8080]}, "expose_ports",
             TenantPolicy(port_range=(20000, 30000)))
+
+
+def test_inject_names_only_secrets_the_service_put_in_the_tenants_scope():
+    """The service maps a tenant's secret names into its scope before the policy runs
+    (service/_secrets.py); a name left unmapped, the operator's or another scope's shape,
+    is refused."""
+    rule = {"domain": "api.example", "headers": {"Authorization": "Bearer $K"}}
+    egress = {"allow_domains": ["api.example"]}
+    mapped = {**rule, "secret": "t-0123456789abcdef/api"}
+    out = run({"network": "public", "egress": {**egress, "inject": [mapped]}})
+    assert out.egress.inject[0].secret == "t-0123456789abcdef/api"
+    for name in ("api", "t-api", "other/api", "t-0123456789abcdeX/api"):
+        msg = refused({"network": "public",
+                       "egress": {**egress, "inject": [{**rule, "secret": name}]}}, "egress")
+        assert "is not one of the tenant's" in msg
+    static = {"domain": "api.example", "headers": {"X-Trace": "t1"}}  # no secret: any tenant
+    assert run({"network": "public", "egress": {**egress, "inject": [static]}}).egress.inject
