@@ -50,6 +50,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -562,6 +563,9 @@ class Proxy:
         ureader, uwriter = upstream
         uwriter.write(head)
         sending = asyncio.ensure_future(_relay_body(reader, uwriter, body, None))
+        # a body the proxy refuses half-way (a bad chunk) ends the exchange: no upstream
+        # waits for the rest while the response side waits for the upstream
+        sending.add_done_callback(partial(_abort_on_failure, uwriter))
         masker = Masker([v.encode() for v in used])
         final: list[int] = []  # the response's status, once its head came
         try:
@@ -727,6 +731,11 @@ async def _peek_sni(loop: asyncio.AbstractEventLoop, sock: socket.socket,
         last = len(data)
 
 
+def _abort_on_failure(writer: asyncio.StreamWriter, task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        writer.transport.abort()
+
+
 def _settle(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
@@ -860,9 +869,19 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
 
 
 def start(cfg: Mapping[str, Any], resolver: Resolver) -> threading.Thread:
-    """Run the proxy in a daemon thread with a loop of its own."""
+    """Run the proxy in a daemon thread with a loop of its own; a loop that failed (a bug:
+    every connection's errors are its own) is logged and started again, so the names the
+    helper steers here are never left without a listener that accepts."""
     proxy = Proxy(cfg, resolver)
-    thread = threading.Thread(target=lambda: asyncio.run(proxy.run()), name="rsb-inject",
-                              daemon=True)
+
+    def serve() -> None:
+        while True:
+            try:
+                asyncio.run(proxy.run())
+            except Exception as exc:
+                _log(f"the proxy's loop failed, restarting it: {type(exc).__name__}: {exc}")
+                time.sleep(1.0)
+
+    thread = threading.Thread(target=serve, name="rsb-inject", daemon=True)
     thread.start()
     return thread
