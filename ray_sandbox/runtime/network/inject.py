@@ -402,6 +402,7 @@ def _label(value: str) -> str:
 
 
 Resolver = Callable[[str], list[str]]  # a name -> its addresses (blocking; run in a pool)
+Upstream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 
 class Proxy:
@@ -500,18 +501,15 @@ class Proxy:
             return
         self.books.count("ray_sandbox_inject_connections_total", kind="inject")
         reader, writer = await client.stream(loop, self._context_for(host))
-        upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        upstream: list[Upstream] = []  # made at the first request, kept for the next ones
         try:
             first = True
-            while True:
-                keep, upstream = await self._exchange(host, reader, writer, upstream, first)
+            while await self._exchange(host, reader, writer, upstream, first):
                 first = False
-                if not keep:
-                    return
         finally:
             writer.close()
-            if upstream is not None:
-                upstream[1].close()
+            for _, uwriter in upstream:
+                uwriter.close()
 
     async def _passthrough(self, loop: asyncio.AbstractEventLoop, client: _Client,
                            host: str, pol: Policy) -> None:
@@ -530,20 +528,20 @@ class Proxy:
 
     # -- one request --
 
-    async def _exchange(
-        self, host: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-        upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None, first: bool,
-    ) -> tuple[bool, tuple[asyncio.StreamReader, asyncio.StreamWriter] | None]:
-        """Relay one request and its response; returns whether the connection stays open."""
+    async def _exchange(self, host: str, reader: asyncio.StreamReader,
+                        writer: asyncio.StreamWriter, upstream: list[Upstream],
+                        first: bool) -> bool:
+        """Relay one request and its response; returns whether the connection stays open.
+        The upstream connection is made at the first request into ``upstream``."""
         try:
             raw = await _timed(reader.readuntil(b"\r\n\r\n"),
                                HEAD_TIMEOUT if first else KEEPALIVE_TIMEOUT)
         except asyncio.IncompleteReadError:
-            return False, upstream  # the client is done
+            return False  # the client is done
         except asyncio.LimitOverrunError:
             await self._refuse(writer, host, "?", ProxyRefusal(431, "Request Header Fields Too "
                                                             "Large", "request head too large"))
-            return False, upstream
+            return False
         method = "?"
         try:
             start, headers = parse_head(raw)
@@ -555,12 +553,12 @@ class Proxy:
             injected, used = self._headers_of(rule) if rule else ({}, [])
             body = framing(headers, request=True)
             head = _rewrite(start, headers, injected)
-            if upstream is None:
-                upstream = await self._connect(host, pol, tls=True)
+            if not upstream:
+                upstream.append(await self._connect(host, pol, tls=True))
         except ProxyRefusal as exc:
             await self._refuse(writer, host, method, exc)
-            return False, upstream
-        ureader, uwriter = upstream
+            return False
+        ureader, uwriter = upstream[0]
         uwriter.write(head)
         sending = asyncio.ensure_future(_relay_body(reader, uwriter, body, None))
         # a body the proxy refuses half-way (a bad chunk) ends the exchange: no upstream
@@ -581,9 +579,9 @@ class Proxy:
                                  status=str(got))
         if close:
             sending.cancel()
-            return False, upstream
+            return False
         await _timed(sending, IDLE_TIMEOUT)
-        return not wants_close(headers, version), upstream
+        return not wants_close(headers, version)
 
     def _headers_of(self, rule: Rule) -> tuple[dict[str, str], list[str]]:
         """The rule's headers, rendered from its secret as it is now; 502 if it is gone."""
@@ -644,8 +642,7 @@ class Proxy:
 
     # -- upstream --
 
-    async def _connect(self, host: str, pol: Policy, *, tls: bool
-                       ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def _connect(self, host: str, pol: Policy, *, tls: bool) -> Upstream:
         """A connection to ``host``:443 at an address resolved here and allowed by the
         sandbox's tiers (never one the sandbox named), TLS verified against ``host``."""
         addrs = [a for a in await self._resolve(host) if pol.address_ok(a)]
