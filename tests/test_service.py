@@ -216,7 +216,9 @@ def test_every_config_option_is_accepted_and_applied(service: Service):
     with service.client() as c:
         schema = c.get("/openapi.json").json()
         props = schema["components"]["schemas"]["CreateSandbox"]["properties"]
-        assert set(props) == set(SandboxConfig.model_fields) - {"spec_transform"}
+        # every option of the sandbox, and the request's own idempotency key (Ray's name)
+        assert set(props) == set(SandboxConfig.model_fields) - {"spec_transform"} | {
+            "client_token"}
         sid = create(c, env={"A": "b"}, workdir="/work", readonly=False, ttl_seconds=600,
                      timeout_seconds=30, pids_limit=512, disk="64Mi", user="1000",
                      capabilities=["CAP_SETUID", "CAP_SETGID"], platform="ptrace", directfs=True,

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+import anyio
 import httpx
 
 from ..runtime.results import ExecResult, OutputChunk, SandboxLink
@@ -138,18 +139,36 @@ class AsyncSandboxClient:
         try:
             call = next(op)
             while True:
-                r = await self._http.request(call.method, self._base + call.path,
-                                             params=call.params, json=call.json,
-                                             content=call.content, headers=self._headers,
-                                             timeout=call.timeout)
-                call = op.send(r)
+                call = op.send(await self._send(call))
         except StopIteration as done:
             result: T = done.value
             return result
 
+    async def _send(self, call: _ops.Call) -> httpx.Response:
+        attempt = 0
+        while True:
+            try:
+                r = await self._http.request(call.method, self._base + call.path,
+                                             params=call.params, json=call.json,
+                                             content=call.content, headers=self._headers,
+                                             timeout=call.timeout)
+            except httpx.TransportError:
+                delay = _ops.retry(call, attempt, None)
+                if delay is None:
+                    raise
+            else:
+                delay = _ops.retry(call, attempt, r)
+                if delay is None:
+                    return r
+            await anyio.sleep(delay)
+            attempt += 1
+
     async def create(self, image: str | None = None, *, timeout: float = 600.0,
-                     detach: bool = False, **options: Any) -> AsyncSandbox:
-        body = {**options, **({"image": image} if image is not None else {})}
+                     detach: bool = False, client_token: str | None = None,
+                     **options: Any) -> AsyncSandbox:
+        """As the sync client's (``client_token`` included)."""
+        body = {**options, **({"image": image} if image is not None else {}),
+                **({"client_token": client_token} if client_token else {})}
         sb = AsyncSandbox(self, await self._run(_ops.create(body, timeout)))
         if not detach:
             self._made[sb.sandbox_id] = sb

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 import time
 from collections.abc import Generator, Mapping
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from ..runtime.results import ExecResult, OutputChunk
 from ..runtime.verbs import ExecRequest
 
 POLL_SECONDS = 10.0  # one long-poll; the service caps it anyway
+RETRY_DELAYS = (0.5, 1.0, 2.0)  # a request safe to repeat, after a lost connection or a 503
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,17 @@ class Call:
     json: Any = None
     content: bytes | None = None
     timeout: float = 60.0
+    retries: int = 0  # safe to repeat (idempotent): again after a lost connection or a 503
+
+
+def retry(call: Call, attempt: int, r: httpx.Response | None) -> float | None:
+    """Seconds to wait before sending ``call`` again after attempt ``attempt`` (0-based)
+    got ``r`` (None: the connection failed), or None to stop there."""
+    if attempt >= min(call.retries, len(RETRY_DELAYS)):
+        return None
+    if r is not None and r.status_code != 503:
+        return None
+    return RETRY_DELAYS[attempt]
 
 
 T = TypeVar("T")
@@ -71,8 +84,11 @@ def check(r: httpx.Response, sandbox_id: str | None = None) -> httpx.Response:
 
 
 def create(options: Mapping[str, Any], timeout: float) -> Op[str]:
-    """Create a sandbox and wait (up to ``timeout`` s) until it runs; returns its id."""
-    r = check((yield Call("POST", "/sandboxes", json=dict(options))))
+    """Create a sandbox and wait (up to ``timeout`` s) until it runs; returns its id. The
+    request carries a client token (the caller's ``client_token``, else a new one), so it
+    is sent again after a lost connection or a 503 without making a second sandbox."""
+    body = {**options, "client_token": options.get("client_token") or secrets.token_hex(16)}
+    r = check((yield Call("POST", "/sandboxes", json=body, retries=len(RETRY_DELAYS))))
     sandbox_id: str = r.json()["sandbox_id"]
     try:
         info = yield from wait(f"/sandboxes/{sandbox_id}", "pending", timeout, sandbox_id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -139,20 +140,40 @@ class SandboxClient:
         try:
             call = next(op)
             while True:
-                r = self._http.request(call.method, self._base + call.path, params=call.params,
-                                       json=call.json, content=call.content,
-                                       headers=self._headers, timeout=call.timeout)
-                call = op.send(r)
+                call = op.send(self._send(call))
         except StopIteration as done:
             result: T = done.value
             return result
 
+    def _send(self, call: _ops.Call) -> httpx.Response:
+        attempt = 0
+        while True:
+            try:
+                r = self._http.request(call.method, self._base + call.path, params=call.params,
+                                       json=call.json, content=call.content,
+                                       headers=self._headers, timeout=call.timeout)
+            except httpx.TransportError:
+                delay = _ops.retry(call, attempt, None)
+                if delay is None:
+                    raise
+            else:
+                delay = _ops.retry(call, attempt, r)
+                if delay is None:
+                    return r
+            time.sleep(delay)
+            attempt += 1
+
     def create(self, image: str | None = None, *, timeout: float = 600.0,
-               detach: bool = False, **options: Any) -> Sandbox:
+               detach: bool = False, client_token: str | None = None,
+               **options: Any) -> Sandbox:
         """A running sandbox; ``options`` are SandboxConfig's (cpu, memory, env, labels, …).
         Waits up to ``timeout`` seconds for it to start. It is deleted when this client
-        closes, unless ``detach``."""
-        body = {**options, **({"image": image} if image is not None else {})}
+        closes, unless ``detach``. ``client_token`` makes the create idempotent within the
+        tenant for the service's ``client_token_seconds`` [24 h]: the same token returns the
+        same sandbox (by default each call sends a token of its own, so its retries after a
+        lost connection never make two)."""
+        body = {**options, **({"image": image} if image is not None else {}),
+                **({"client_token": client_token} if client_token else {})}
         sb = Sandbox(self, self._run(_ops.create(body, timeout)))
         if not detach:
             self._made[sb.sandbox_id] = sb

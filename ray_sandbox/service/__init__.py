@@ -7,6 +7,7 @@ API) on Ray Serve over the Ray layer, with tenants, quotas and an audit log (doc
 from ._app import build_app
 from ._config import Quota, ServiceConfig, from_env, parse_quota, parse_tokens
 from ._deploy import APP_NAME, app_builder, application, start, stop
+from ._reconcile import run_pass as reconcile
 
 __all__ = ["APP_NAME", "Quota", "ServiceConfig", "app_builder", "application", "build_app",
-           "from_env", "parse_quota", "parse_tokens", "start", "stop"]
+           "from_env", "parse_quota", "parse_tokens", "reconcile", "start", "stop"]

@@ -40,7 +40,7 @@ from ._models import (
 )
 from ._sandboxes import Sandboxes
 from ._secrets import PutSecret, TenantSecrets
-from ._state import connect
+from ._state import FS_IMAGE, SNAPSHOT, connect
 
 PREFIX = "/api/v1"
 PUBLIC = frozenset({f"{PREFIX}/health", f"{PREFIX}/openapi.json"})
@@ -486,7 +486,10 @@ def _kept_routes(app: FastAPI, sandboxes: Sandboxes, config: ServiceConfig) -> N
 
     @app.get(f"{PREFIX}/filesystem-images")
     async def list_filesystem_images(request: Request) -> dict[str, list[str]]:
-        return {"images": await sandboxes.kept.fs_images(tenant(request))}
+        """The tenant's images; ``lost`` (only when there are): those no node holds any
+        more (DELETE forgets them)."""
+        found = await sandboxes.kept.listing(FS_IMAGE, tenant(request))
+        return {"images": found["keys"], **({"lost": found["lost"]} if found["lost"] else {})}
 
     @app.delete(f"{PREFIX}/filesystem-images/{{image_id}}")
     async def delete_filesystem_image(request: Request, image_id: str) -> dict[str, str]:
@@ -496,7 +499,11 @@ def _kept_routes(app: FastAPI, sandboxes: Sandboxes, config: ServiceConfig) -> N
 
     @app.get(f"{PREFIX}/snapshots")
     async def list_snapshots(request: Request) -> dict[str, list[str]]:
-        return {"snapshots": await sandboxes.kept.snapshots(tenant(request))}
+        """The tenant's snapshots; ``lost`` (only when there are): those no node holds any
+        more (DELETE forgets them)."""
+        found = await sandboxes.kept.listing(SNAPSHOT, tenant(request))
+        return {"snapshots": found["keys"],
+                **({"lost": found["lost"]} if found["lost"] else {})}
 
     @app.delete(f"{PREFIX}/snapshots/{{snapshot_id}}")
     async def delete_snapshot(request: Request, snapshot_id: str) -> dict[str, str]:
@@ -541,8 +548,12 @@ def _volume_routes(app: FastAPI, sandboxes: Sandboxes, config: ServiceConfig) ->
         return await sandboxes.volumes.create(tenant(request), body.name, body.size)
 
     @app.get(f"{PREFIX}/volumes")
-    async def list_volumes(request: Request) -> dict[str, list[VolumeInfo]]:
-        return {"volumes": await sandboxes.volumes.list(tenant(request))}
+    async def list_volumes(request: Request) -> dict[str, Any]:
+        """The tenant's volumes; ``lost`` (only when there are): names of those whose node
+        is gone (DELETE forgets them)."""
+        live, lost = await sandboxes.volumes.listing(tenant(request))
+        return {"volumes": [v.model_dump(mode="json") for v in live],
+                **({"lost": lost} if lost else {})}
 
     @app.delete(f"{PREFIX}/volumes/{{name}}")
     async def delete_volume(request: Request, name: str) -> dict[str, str]:

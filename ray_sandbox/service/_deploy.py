@@ -1,6 +1,7 @@
 """The Ray Serve deployment: ``num_replicas`` replicas serving the app (with more than one,
 they share their books through one state actor, ``_state``), and starting it on a running
-Ray cluster."""
+Ray cluster. With the books in a SQLite file, whatever holds them (the one replica, or the
+state actor) runs on the head node, where the file is."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from . import _ports
 from ._app import PREFIX, build_app
 from ._config import ServiceConfig, from_env
 from ._sandboxes import Sandboxes
-from ._state import connect, disconnect
+from ._state import HEAD, connect, disconnect, on_head
 
 APP_NAME = "ray-sandbox"
 
@@ -53,11 +54,14 @@ class SandboxService:
 
 def application(config: ServiceConfig) -> Any:
     """The Serve application, for ``serve.run`` (or a RayService's import path)."""
+    options: dict[str, Any] = {"num_cpus": 0}  # sandboxes reserve their own CPUs
+    if config.num_replicas == 1 and on_head(config):  # it holds the books' SQLite file
+        options["resources"] = HEAD
     deployment = serve.deployment(
         name="SandboxService",
         num_replicas=config.num_replicas,
         max_ongoing_requests=config.max_ongoing_requests,  # long polls hold a request each
-        ray_actor_options={"num_cpus": 0},  # sandboxes reserve their own CPUs
+        ray_actor_options=options,
     )(serve.ingress()(SandboxService))
     return deployment.bind(config)
 
@@ -74,7 +78,8 @@ def start(config: ServiceConfig, host: str = "127.0.0.1", port: int = 8000) -> s
 
 
 def stop() -> None:
-    """Delete the service's app, its state actor, and stop Serve."""
+    """Delete the service's app, its state actor, and stop Serve. The books' database stays
+    (the next start reloads it)."""
     serve.delete(APP_NAME)
     disconnect(APP_NAME)
     serve.shutdown()

@@ -12,6 +12,7 @@ from pydantic.json_schema import SkipJsonSchema
 from ..runtime.config import MAX_TIMEOUT, SandboxConfig, check_text
 from ..runtime.verbs import ExecRequest
 
+CLIENT_TOKEN_MAX = 128
 SandboxStatusName = Literal["pending", "running", "paused", "suspended", "error", "terminated"]
 ExecStatusName = Literal["running", "completed", "timed_out", "failed"]
 
@@ -49,9 +50,18 @@ class Body(TextOnly):
 
 class CreateSandbox(TextOnly, SandboxConfig):
     """``POST /sandboxes``: every :class:`SandboxConfig` option, as there, held to the
-    tenant's policy (``_policy``). A ``spec_transform`` is code and cannot cross HTTP."""
+    tenant's policy (``_policy``). A ``spec_transform`` is code and cannot cross HTTP.
+    ``client_token`` is the request's, not the sandbox's (the policy never sees it)."""
 
     spec_transform: SkipJsonSchema[None] = Field(None, exclude=True)
+    client_token: str | None = Field(
+        None, min_length=1, max_length=CLIENT_TOKEN_MAX, pattern=r"^[\x21-\x7e]+$",
+        description="idempotency key (Ray's name): the tenant's create with the same token "
+                    "within client_token_seconds [24 h] answers with the same sandbox, also "
+                    "while it is being made; the same token with another body is a 409")
+
+
+REQUEST_FIELDS = frozenset({"client_token"})  # of CreateSandbox, not of the sandbox's config
 
 
 class Created(BaseModel):

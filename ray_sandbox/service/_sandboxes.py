@@ -16,6 +16,8 @@ filesystem images (``_kept``), streamed output (``_streams``) and the terminal (
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
 import re
 import secrets
@@ -41,7 +43,7 @@ from ..runtime.verbs import ExecRequest, NoRequest
 from . import _errors, _policy, _pty, _streams
 from ._config import ServiceConfig
 from ._kept import FS_IMAGE_PATH_RE, FS_IMAGE_SCHEME, TenantKept
-from ._models import ExecInfo, LinkInfo, SandboxInfo
+from ._models import REQUEST_FIELDS, CreateSandbox, ExecInfo, LinkInfo, SandboxInfo
 from ._policy import Nodes, ray_node_addresses
 from ._quota import Charge, charge
 from ._state import Shared
@@ -82,6 +84,7 @@ class Entry:
     creating: asyncio.Task[None] | None = None  # this replica's create of it
     error: str | None = None
     deleted: bool = False
+    lost: bool = False  # the books made it, no node has it any more
     execs: OrderedDict[str, Exec] = field(default_factory=OrderedDict)  # run by this replica
     streams: dict[str, _streams.Stream] = field(default_factory=dict)  # read by this replica
 
@@ -90,6 +93,11 @@ class Entry:
         return {"cpu": self.charge.cpu, "memory": self.charge.memory, "image": self.image,
                 "labels": self.labels}
 
+    def row(self) -> list[Any]:
+        """What the books' ``reconcile`` takes of a sandbox the hosts list."""
+        return [self.charge.cpu, self.charge.memory,
+                {**self.source(), "created_at": self.created_at}]
+
 
 def user_labels(labels: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in labels.items() if not k.startswith(LABEL_PREFIX)}
@@ -97,8 +105,9 @@ def user_labels(labels: Mapping[str, str]) -> dict[str, str]:
 
 def _from_record(rec: dict[str, Any], tenant: str) -> Entry:
     """A create the books know (pending or failed), perhaps another replica's."""
-    return Entry(rec["sandbox_id"], tenant, Charge(rec["cpu"], rec["memory"]), rec["image"],
-                 dict(rec["labels"]), rec["created_at"], error=rec["error"])
+    return Entry(rec["sandbox_id"], tenant, Charge(rec.get("cpu", 0.0), rec.get("memory", 0)),
+                 rec.get("image", ""), dict(rec.get("labels") or {}), rec.get("created_at"),
+                 error=rec["error"], lost=bool(rec.get("lost")))
 
 
 class Sandboxes:
@@ -153,16 +162,26 @@ class Sandboxes:
 
     async def _adopt(self) -> None:
         """Once per replica: take over the sandboxes an earlier replica made for the tenants
-        it serves (found by their tenant label)."""
+        it serves (found by their tenant label), tell the books what runs (those they hold
+        as made that no node has are marked lost), then, in the background, check what the
+        books keep (snapshots, images) against the nodes."""
         if self._adopted:
             return
         async with self._adopting:  # the first requests arrive together
             if self._adopted:
                 return
+            epoch = await self._state("epoch")
             for tenant in self._config.tokens:
                 handles = await self._blocking(actor.list, {TENANT_LABEL: tenant})
-                await asyncio.gather(*(self._adopt_one(h) for h in handles))
+                found = await asyncio.gather(*(self._adopt_one(h) for h in handles))
+                lost = await self._state("reconcile", tenant, {
+                    e.api_id: e.row() for e in found if e is not None and e.tenant == tenant},
+                    epoch)
+                if lost:
+                    log.warning("%d sandboxes of tenant %s are on no node any more: marked "
+                                "lost", len(lost), tenant)
             self._adopted = True
+            self._track(asyncio.ensure_future(self.kept.recover(TENANT_LABEL)))
 
     async def _adopt_one(self, handle: Any) -> Entry | None:
         # a copy (fork, restore) has no name: its runtime id is its API id
@@ -216,9 +235,14 @@ class Sandboxes:
                     else _from_record(rec, tenant)
         if entry is None or entry.handle is None:
             # made by another replica (or finished just now): ask the hosts by its labels
+            epoch = await self._state("epoch")
             found = [h for h in await self._blocking(actor.list, {TENANT_LABEL: tenant})
                      if api_id in (h.name, h.sandbox_id)]
             entry = await self._adopt_one(found[0]) if found else None
+            if entry is None:  # made before and no node has it: lost, if the books say so
+                rec = await self._state("vanished", tenant, api_id, epoch)
+                if rec is not None:
+                    return _from_record(rec, tenant)
         if entry is None or entry.tenant != tenant or entry.deleted or entry.handle is None:
             raise _errors.refusal(404, f"no sandbox {api_id!r}")
         return entry
@@ -335,21 +359,34 @@ class Sandboxes:
 
     async def create(self, tenant: str, body: SandboxConfig) -> Entry:
         """Start a create of what the tenant asked (held to its policy) and return its
-        entry (status pending) without waiting for it."""
+        entry (status pending) without waiting for it. With a ``client_token`` (a
+        CreateSandbox's), the tenant's create with the same token within
+        ``client_token_seconds`` is returned instead (409 if its body differed)."""
         self._hold_pending(tenant)  # before any await: concurrent creates count at once
         try:
             entry = await self._start_create(tenant, body)
         except BaseException:
             self._drop_pending(tenant)
             raise
-        assert entry.creating is not None
-        entry.creating.add_done_callback(lambda _: self._drop_pending(tenant))
+        if entry.creating is None:  # the earlier create of its client token, made
+            self._drop_pending(tenant)
+        else:
+            entry.creating.add_done_callback(lambda _: self._drop_pending(tenant))
         return entry
 
     async def _start_create(self, tenant: str, body: SandboxConfig) -> Entry:
         await self._adopt()
+        token = None
+        if isinstance(body, CreateSandbox) and body.client_token is not None:
+            asked = body.model_dump(mode="json", exclude_unset=True,
+                                    exclude={"spec_transform", *REQUEST_FIELDS})
+            digest = hashlib.sha256(json.dumps(asked, sort_keys=True).encode()).hexdigest()
+            token = [body.client_token, digest]
+            earlier = await self._state("client_token", tenant, token)
+            if earlier is not None:
+                return self._same(tenant, earlier)
         # only what the tenant set: the Ray layer's defaults and its policy fill the rest
-        given = body.model_dump(exclude_unset=True, exclude={"spec_transform"})
+        given = body.model_dump(exclude_unset=True, exclude={"spec_transform", *REQUEST_FIELDS})
         if given.get("volumes"):  # the tenant's own, by the names it gave them
             given["volumes"] = await self.volumes.mounts(tenant, given["volumes"])
         template = await self._blocking(self._under_policy, tenant, given)
@@ -362,9 +399,13 @@ class Sandboxes:
         api_id = secrets.token_hex(16)
         entry = Entry(api_id, tenant, cost, shown or config.image, dict(config.labels),
                       time.time(), ports=config.expose_ports)
-        await self._admit(tenant, [api_id], cost, {
+        # its absence after its TTL (or at any time, with an idle timeout) is its own end
+        ttl = 0.0 if config.idle_timeout_seconds else config.ttl_seconds
+        earlier = await self._admit(tenant, [api_id], cost, {
             "image": entry.image, "labels": entry.labels, "cpu": cost.cpu,
-            "memory": cost.memory, "created_at": entry.created_at})
+            "memory": cost.memory, "created_at": entry.created_at, "ttl": ttl}, token)
+        if earlier is not None:  # the same client token came in meanwhile
+            return self._same(tenant, earlier)
         self._entries[api_id] = entry
         labels = {**config.labels, TENANT_LABEL: tenant, CPU_LABEL: repr(cost.cpu),
                   MEMORY_LABEL: str(cost.memory),
@@ -374,6 +415,17 @@ class Sandboxes:
         entry.creating = asyncio.ensure_future(
             self._create(entry, template.model_copy(update={"config": config})))
         return entry
+
+    def _same(self, tenant: str, earlier: dict[str, str]) -> Entry:
+        """The entry of the tenant's earlier create with the same client token (whatever
+        became of it since), or 409 when that create's body differed."""
+        if "conflict" in earlier:
+            raise _errors.refusal(409, earlier["conflict"])
+        api_id = earlier["same"]
+        known = self._entries.get(api_id)
+        if known is not None and known.tenant == tenant:
+            return known
+        return Entry(api_id, tenant, Charge(0.0, 0), "", {}, None)
 
     def _under_policy(self, tenant: str, given: dict[str, Any]) -> actor.SandboxTemplate:
         """What the tenant asked, held to its policy and made once, with the Ray layer's
@@ -399,22 +451,27 @@ class Sandboxes:
             del self._pending[tenant]
 
     async def _admit(self, tenant: str, keys: list[str], cost: Charge,
-                     pending: dict[str, Any] | None = None) -> None:
+                     pending: dict[str, Any] | None = None,
+                     token: list[str] | None = None) -> dict[str, str] | None:
         """Charge ``keys`` (one sandbox each) to the tenant in one step of the books, so no
-        two replicas both admit past the quota; 429 if they do not fit."""
+        two replicas both admit past the quota; 429 if they do not fit. With a client
+        ``token`` already used, the books' answer about it (``Books.admit``)."""
         quota = self._config.quota(tenant).model_dump()
-        args = (tenant, quota, keys, cost.cpu, cost.memory, pending)
+        args = (tenant, quota, keys, cost.cpu, cost.memory, pending, token)
         reason = await self._state("admit", *args)
-        if reason is not None:
-            # The books may not know the tenant's sandboxes yet (new books: a first start,
-            # a restarted state actor) or still count ones a host ended by itself: look.
+        if isinstance(reason, str):
+            # The books may not know the tenant's sandboxes yet (new books: a first start)
+            # or still count ones a host ended by itself: look.
             epoch = await self._state("epoch")
             live = await self._live(tenant)
-            await self._state("reconcile", tenant, {
-                k: (e.charge.cpu, e.charge.memory) for k, e in live.items()}, epoch)
+            await self._state("reconcile", tenant, {k: e.row() for k, e in live.items()},
+                              epoch)
             reason = await self._state("admit", *args)
+        if isinstance(reason, dict):
+            return reason
         if reason is not None:
             raise _errors.refusal(429, reason)
+        return None
 
     async def _create(self, entry: Entry, template: actor.SandboxTemplate) -> None:
         error, handle = None, None
@@ -434,10 +491,7 @@ class Sandboxes:
         if error is not None:
             entry.error = error  # the books keep it for GET; this replica forgets it
             self._entries.pop(entry.api_id, None)
-        try:
-            deleted = await self._state("created", entry.api_id, error)
-        except _errors.HTTPException:  # its record expires; a reconcile counts the sandbox
-            deleted = False
+        deleted = await self._report_created(entry.api_id, error)
         # running here only once the books say so too: no replica answers running before
         # another stops answering pending
         entry.handle = handle
@@ -448,6 +502,23 @@ class Sandboxes:
             except Exception as exc:  # nobody awaits this task: say it, the TTL or gc ends it
                 log.warning("ending %s, deleted while being made, failed: %s", entry.api_id, exc)
 
+    async def _report_created(self, api_id: str, error: str | None) -> bool:
+        """``created`` until the books answer (a restarting state actor comes back; they
+        are durable, so the report is all they miss), for as long as a create may take;
+        past that its record expires and a reconcile counts the sandbox."""
+        loop = asyncio.get_running_loop()
+        deadline, delay = loop.time() + self._config.create_timeout, 0.2
+        while True:
+            try:
+                deleted: bool = await self._state("created", api_id, error)
+                return deleted
+            except _errors.HTTPException:
+                if loop.time() + delay > deadline:
+                    log.warning("the books did not hear that %s was made", api_id)
+                    return False
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
     def _create_blocking(self, api_id: str, template: actor.SandboxTemplate) -> Any:
         # Detached: the service, not the job that happened to start its replica, owns it.
         return actor.create(name=api_id, lifetime="detached", template=template,
@@ -457,7 +528,9 @@ class Sandboxes:
         """Its status, waiting up to ``wait`` seconds for a pending create to finish."""
         entry = await self._settle(entry, wait)
         status, reason = "pending", None
-        if entry.error is not None:
+        if entry.lost:
+            status, reason = "terminated", entry.error
+        elif entry.error is not None:
             status, reason = "error", entry.error
         elif entry.handle is not None:
             try:
@@ -595,7 +668,9 @@ class Sandboxes:
                           handle=h)
             self._entries[entry.api_id] = entry
             ids.append(entry.api_id)
-        await self._state("settle", tenant, keys, ids)
+        await self._state("settle", tenant, keys, ids,
+                          {"image": image, "labels": labels, "cpu": cost.cpu,
+                           "memory": cost.memory})
         return ids
 
     # --- execs -----------------------------------------------------------------------------

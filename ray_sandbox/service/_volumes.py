@@ -3,8 +3,10 @@ service gives every tenant its own namespace on it: a tenant's volume ``ws`` is 
 ``tv-<10 hex of the tenant>-ws``. A tenant names only its own volumes, in the API and in a
 sandbox's ``volumes=``; listing shows only its own, without the prefix. Bounded per tenant in
 count and size (``max_volumes``, ``max_volume_bytes``; the count holds across replicas: a
-tenant's creates take turns through a lease in the shared books). The blocking calls (one task per
-node) run in the caller's threads (``blocking``)."""
+tenant's creates take turns through a lease in the shared books). The books also name each
+tenant's volumes (those made before them are taken in when listed), so one whose node is
+gone is listed as lost until the tenant deletes it. The blocking calls (one task per node)
+run in the caller's threads (``blocking``)."""
 
 from __future__ import annotations
 
@@ -56,6 +58,14 @@ class TenantVolumes:
         found = await self._blocking(volumes.list_volumes)
         return [_public(v, tenant) for v in found if v.name.startswith(mine)]
 
+    async def listing(self, tenant: str) -> tuple[list[VolumeInfo], list[str]]:
+        """The tenant's volumes on the live nodes, and the names of those the books hold
+        that no live node has (lost: their node died)."""
+        live = await self.list(tenant)
+        lost = await self._state("volumes_seen", tenant,
+                                 {v.name: [v.node, v.size] for v in live})
+        return live, lost
+
     async def create(self, tenant: str, name: str, size: str | int) -> VolumeInfo:
         _checked(name)
         try:
@@ -79,17 +89,20 @@ class TenantVolumes:
                 raise _errors.refusal(429, f"this tenant has {self._config.max_volumes} "
                                            "volumes, its limit; delete one first")
             info = await self._blocking(volumes.create_volume, prefix(tenant) + name, nbytes)
+            await self._state("volume_made", tenant, name, info.node, info.size)
         finally:
             with anyio.CancelScope(shield=True):
                 await self._state("unlease", key, holder)
         return _public(info, tenant)
 
     async def delete(self, tenant: str, name: str) -> None:
-        """Idempotent; a volume a sandbox has mounted is a 409 (VolumeInUseError)."""
+        """Idempotent; a volume a sandbox has mounted is a 409 (VolumeInUseError). A lost
+        one is forgotten."""
         try:
             await self._blocking(volumes.delete_volume, prefix(tenant) + _checked(name))
         except VolumeNotFoundError:
-            return
+            pass
+        await self._state("volume_gone", tenant, name)
 
     async def mounts(self, tenant: str, wanted: dict[str, Any]) -> dict[str, Any]:
         """A create's ``volumes`` (path -> mount, as SandboxConfig dumps it) with the
