@@ -79,6 +79,9 @@ class ServiceConfig(BaseModel):
     max_ongoing_requests: int = Field(1024, gt=0, description="per replica (long polls wait)")
     num_replicas: int = Field(1, ge=1, le=64, description="Serve replicas; more than one "
                               "share their books through one state actor (docs/service.md)")
+    max_replicas_per_node: int | None = Field(None, ge=1, description="Serve's limit of "
+                                              "replicas on one node (spread them: a node "
+                                              "that dies takes fewer)")
     state_timeout: float = Field(10.0, gt=0, description="bound on one call to the state "
                                  "actor; past it the request is a 503")
     state_db: SecretStr | None = Field(

@@ -62,6 +62,8 @@ def application(config: ServiceConfig) -> Any:
         num_replicas=config.num_replicas,
         max_ongoing_requests=config.max_ongoing_requests,  # long polls hold a request each
         ray_actor_options=options,
+        **({"max_replicas_per_node": config.max_replicas_per_node}
+           if config.max_replicas_per_node else {}),
     )(serve.ingress()(SandboxService))
     return deployment.bind(config)
 

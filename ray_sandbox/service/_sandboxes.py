@@ -85,6 +85,7 @@ class Entry:
     error: str | None = None
     deleted: bool = False
     lost: bool = False  # the books made it, no node has it any more
+    token_answer: bool = False  # returned for a create's client token, not made by it
     execs: OrderedDict[str, Exec] = field(default_factory=OrderedDict)  # run by this replica
     streams: dict[str, _streams.Stream] = field(default_factory=dict)  # read by this replica
 
@@ -368,7 +369,7 @@ class Sandboxes:
         except BaseException:
             self._drop_pending(tenant)
             raise
-        if entry.creating is None:  # the earlier create of its client token, made
+        if entry.creating is None or entry.token_answer:  # an earlier create's (its token)
             self._drop_pending(tenant)
         else:
             entry.creating.add_done_callback(lambda _: self._drop_pending(tenant))
@@ -423,9 +424,8 @@ class Sandboxes:
             raise _errors.refusal(409, earlier["conflict"])
         api_id = earlier["same"]
         known = self._entries.get(api_id)
-        if known is not None and known.tenant == tenant:
-            return known
-        return Entry(api_id, tenant, Charge(0.0, 0), "", {}, None)
+        charge = known.charge if known is not None and known.tenant == tenant else Charge(0, 0)
+        return Entry(api_id, tenant, charge, "", {}, None, token_answer=True)
 
     def _under_policy(self, tenant: str, given: dict[str, Any]) -> actor.SandboxTemplate:
         """What the tenant asked, held to its policy and made once, with the Ray layer's
