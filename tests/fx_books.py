@@ -94,3 +94,91 @@ def until(fn: Any, limit: float = 120, every: float = 0.5) -> Any:
         if time.monotonic() > deadline:
             pytest.fail(f"not so within {limit:g} s: {fn}")
         time.sleep(every)
+
+
+def kill_the_state_actor_mid_load(d: Deployed, seconds: float = 12.0) -> None:
+    """Snapshots, filesystem images, creates (bob's against a quota of 3) and execs run from
+    threads while the state actor is killed (Ray restarts it; it reloads its books). After:
+    no answer was a 500, every snapshot id and image name answered is listed, every create
+    answered ends running or failed (none stays pending), bob holds at most 3 sandboxes."""
+    import threading
+    from collections import Counter
+
+    import ray
+
+    import ray_sandbox
+    from ray_sandbox.service import APP_NAME
+    from ray_sandbox.service._sandboxes import TENANT_LABEL
+    from ray_sandbox.service._state import NAMESPACE, actor_name
+
+    small = {"image": "ray-sandbox/busybox", "cpu": 0.1, "memory": "64Mi"}
+    with d.client() as c:
+        base = c.post("/sandboxes", json=small).json()["sandbox_id"]
+        assert running(c, base)["status"] == "running"
+    statuses: Counter[int] = Counter()
+    snaps: list[str] = []
+    images: list[str] = []
+    made: list[tuple[str, str]] = []  # (tenant, sandbox id)
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def load(tenant: str, what: str) -> None:
+        with d.client(tenant) as c:
+            while not stop.is_set():
+                try:
+                    if what == "snapshot":
+                        r = c.post(f"/sandboxes/{base}/snapshot")
+                    elif what == "image":
+                        r = c.post(f"/sandboxes/{base}/filesystem-image")
+                    elif what == "exec":
+                        r = c.post(f"/sandboxes/{base}/execs", params={"wait_seconds": 10},
+                                   json={"command": "echo x"})
+                    else:
+                        r = c.post("/sandboxes", json=small)
+                except httpx.TransportError:
+                    continue
+                with lock:
+                    statuses[r.status_code] += 1
+                    if r.status_code == 201 and what == "snapshot":
+                        snaps.append(r.json()["snapshot_id"])
+                    elif r.status_code == 201 and what == "image":
+                        images.append(r.json()["image"])
+                    elif r.status_code == 202 and what == "create":
+                        made.append((tenant, r.json()["sandbox_id"]))
+                if r.status_code in (429, 503) or what == "create":
+                    time.sleep(0.5)
+
+    threads = [threading.Thread(target=load, args=a) for a in (
+        ("alice", "snapshot"), ("alice", "image"), ("alice", "exec"), ("bob", "create"),
+        ("bob", "create"))]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(seconds / 3)
+        ray.kill(ray.get_actor(actor_name(APP_NAME), namespace=NAMESPACE), no_restart=False)
+        time.sleep(seconds)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(300)
+    print(f"answers {dict(statuses)}: {len(snaps)} snapshots, {len(images)} images, "
+          f"{len(made)} creates")
+    assert 500 not in statuses and statuses[201] and statuses[503], statuses
+    with d.client() as c, d.client("bob") as bob:
+        until(lambda: c.get("/snapshots").status_code == 200)
+        listed = until(lambda: (r := c.get("/snapshots")).status_code == 200 and r.json())
+        assert set(snaps) <= set(listed["snapshots"]), (snaps, listed)
+        got = until(lambda: (r := c.get("/filesystem-images")).status_code == 200 and r.json())
+        assert set(images) <= set(got["images"]), (images, got)
+        for tenant, sid in made:
+            info = running(bob if tenant == "bob" else c, sid)
+            assert info["status"] in ("running", "error"), info
+        assert len(ray_sandbox.list({TENANT_LABEL: "bob"})) <= 3
+        for _, sid in made:
+            bob.delete(f"/sandboxes/{sid}")
+        for snap in listed["snapshots"]:
+            assert c.delete(f"/snapshots/{snap}").status_code == 200
+        for image in got["images"]:
+            assert c.delete(f"/filesystem-images/{image.rpartition('/')[2]}").status_code \
+                == 200
+        assert c.delete(f"/sandboxes/{base}").status_code == 200
