@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -35,9 +37,9 @@ class Take:
 class Kept:
     """TenantKept over its own books, with the tasks it leaves running in view."""
 
-    def __init__(self, **settings: Any) -> None:
+    def __init__(self, db: Path, **settings: Any) -> None:
         config = from_env({"RAY_SANDBOX_API_TOKEN": "token-0123456789"}, **settings)
-        self.books = Books(Bounds.of(config))
+        self.books = Books(Bounds.of(config), str(db))
         self.tasks: set[asyncio.Task[Any]] = set()
         self.discarded: list[str] = []
 
@@ -47,16 +49,17 @@ class Kept:
         self.kept = TenantKept(config, Shared(books=self.books), blocking, self.tasks.add)
 
     def take(self, take: Take):
-        return self.kept._keep(FS_IMAGE, "t", take, lambda made: (made, {"ref": made}),
+        source = SimpleNamespace(sandbox_id="s" * 32)  # the sandbox taken of, as a handle
+        return self.kept._keep(FS_IMAGE, "t", source, take, lambda made: (made, {"ref": made}),
                                self.discarded.append)
 
     async def settled(self) -> None:
         await asyncio.wait_for(asyncio.gather(*self.tasks), 5)
 
 
-def test_a_take_finished_after_its_request_gave_up_is_kept():
+def test_a_take_finished_after_its_request_gave_up_is_kept(tmp_path):
     async def main() -> None:
-        k = Kept(create_timeout=0.05)
+        k = Kept(tmp_path / "books.sqlite3", create_timeout=0.05)
         take = Take()
         with pytest.raises(TimeoutError):
             await k.take(take)
@@ -70,13 +73,14 @@ def test_a_take_finished_after_its_request_gave_up_is_kept():
         take.done.set_result("orphan")
         await k.settled()
         assert await k.books.kept_keys(FS_IMAGE, "t") == ["late", "orphan"]
+        assert await k.books.takes() == []  # each take's record ended with its keeping
 
     asyncio.run(main())
 
 
-def test_what_the_limit_refuses_after_the_take_is_discarded():
+def test_what_the_limit_refuses_after_the_take_is_discarded(tmp_path):
     async def main() -> None:
-        k = Kept(max_fs_images=1)
+        k = Kept(tmp_path / "books.sqlite3", max_fs_images=1)
         first, second = Take(), Take()
         one = asyncio.ensure_future(k.take(first))
         two = asyncio.ensure_future(k.take(second))
@@ -88,5 +92,6 @@ def test_what_the_limit_refuses_after_the_take_is_discarded():
         with pytest.raises(Exception, match="1 filesystem images kept"):
             await two
         assert k.discarded == ["b"] and await k.books.kept_keys(FS_IMAGE, "t") == ["a"]
+        assert await k.books.takes() == []
 
     asyncio.run(main())
