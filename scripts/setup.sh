@@ -8,10 +8,12 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${RAY_SANDBOX_VENV:-$ROOT/.venv}
 RUNSC_WANT=0.0~20240729
 # e2fsprogs: mkfs.ext4 formats the size-capped filesystem behind disk= (runtime/disk.py).
+# postgresql: the tests start a private PostgreSQL of their own for the service's books
+# (tests/fx_postgres.py: Debian's initdb and pg_ctl, a data directory and port under /tmp).
 PACKAGES=(
   runsc umoci skopeo slirp4netns uidmap mmdebstrap docker-registry busybox-static
   iproute2 nftables util-linux procps psmisc gcc libc6-dev make erofs-utils e2fsprogs
-  python3 python3-venv ca-certificates curl
+  python3 python3-venv ca-certificates curl postgresql
 )
 
 log() { printf '[setup] %s\n' "$*" >&2; }
@@ -57,6 +59,12 @@ PIN
     trixie|forky|sid) ;;
     *) log "untested distribution '${VERSION_CODENAME:-unknown}'; trying its own packages" ;;
   esac
+  # Debian's postgresql makes and starts a cluster of the machine's own when installed; the
+  # tests need only its binaries, so none is made (an existing cluster is left as it is).
+  if [ ! -d /etc/postgresql ]; then
+    mkdir -p /etc/postgresql-common/createcluster.d
+    echo "create_main_cluster = false" > /etc/postgresql-common/createcluster.d/ray-sandbox.conf
+  fi
   log "installing system packages: ${missing[*]:-runsc}"
   apt-get update -q >/dev/null
   apt-get install -y -q --no-install-recommends "${PACKAGES[@]}" >/dev/null

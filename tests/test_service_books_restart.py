@@ -247,3 +247,23 @@ def test_reconcile_reports_orphans_and_deletes_them_after_a_grace(svc: Deployed)
         ray.get(plain.terminate.remote(), timeout=120)
         with svc.client() as c:
             assert c.delete(f"/sandboxes/{sid}").status_code == 200
+
+
+def test_the_books_row_counts_and_step_times_reach_the_metrics(svc: Deployed,
+                                                              ray_metrics_port):
+    import time
+    import urllib.request
+
+    with svc.client() as c:  # a step or two, so the sweep has run and steps were timed
+        assert c.get("/snapshots").status_code == 200
+    want = ("ray_sandbox_service_books_rows", "ray_sandbox_service_books_seconds")
+    deadline, text = time.monotonic() + 90, ""
+    while time.monotonic() < deadline and not all(w in text for w in want):
+        time.sleep(1)
+        try:
+            url = f"http://127.0.0.1:{ray_metrics_port}/metrics"
+            text = urllib.request.urlopen(url, timeout=5).read().decode()
+        except OSError:
+            continue
+    assert all(w in text for w in want), [w for w in want if w not in text]
+    assert 'table="sandboxes"' in text and 'op="kept_list"' in text

@@ -51,8 +51,17 @@ def test_rayservice_follows_kubernetes_object_rules():
     assert object_rule_errors(as_cluster) == []
 
 
-def test_its_cluster_is_raycluster_yaml_plus_the_api_port_and_tokens():
+def test_its_cluster_is_raycluster_yaml_plus_the_api_port_tokens_and_books():
     cluster = copy.deepcopy(rayservice()["spec"]["rayClusterConfig"])
+    head_pod = cluster["headGroupSpec"]["template"]["spec"]
+    # the books' SQLite file (the default state_db) on a claim of its own, in the head's home
+    (volume,) = head_pod.pop("volumes")
+    claim = manifest("service-state-pvc.yaml")
+    assert claim["kind"] == "PersistentVolumeClaim"
+    assert volume == {"name": "service-state",
+                      "persistentVolumeClaim": {"claimName": claim["metadata"]["name"]}}
+    (mount,) = head_pod["containers"][0].pop("volumeMounts")
+    assert mount == {"name": "service-state", "mountPath": "/var/lib/ray_sandbox/service"}
     pods = [cluster["headGroupSpec"]["template"]["spec"],
             *(g["template"]["spec"] for g in cluster["workerGroupSpecs"])]
     for pod in pods:  # every node may run the app's build task: all get the tokens

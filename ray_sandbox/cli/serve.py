@@ -10,7 +10,7 @@ import os
 import signal
 import threading
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated, Any, NoReturn
 
 import typer
 from pydantic import ValidationError
@@ -93,11 +93,10 @@ def serve(
                 "TENANT=TOKEN a line; also RAY_SANDBOX_API_TOKENS_FILE)")
     if delete_after is not None and not reconcile:
         _refuse("--delete-after is for --reconcile")
-    settings = {k: v for k, v in {"max_file_bytes": max_file_bytes, "audit_log": audit_log,
-                                  "num_replicas": replicas, "public_url": public_url,
-                                  "port_host_suffix": port_host_suffix,
-                                  "state_db": state_db}.items()
-                if v is not None}
+    given: dict[str, Any] = {"max_file_bytes": max_file_bytes, "audit_log": audit_log,
+                             "num_replicas": replicas, "public_url": public_url,
+                             "port_host_suffix": port_host_suffix, "state_db": state_db}
+    settings = {k: v for k, v in given.items() if v is not None}
     try:
         config = from_env(tokens_file=tokens_file, quotas=tuple(quota),
                           policy_file=tenant_policy, **settings)
@@ -120,7 +119,7 @@ def serve(
     ray.shutdown()
 
 
-def _reconcile(config: object, address: str | None, delete_after: float | None) -> None:
+def _reconcile(config: Any, address: str | None, delete_after: float | None) -> None:
     import ray
 
     from ..service import APP_NAME

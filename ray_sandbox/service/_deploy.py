@@ -57,13 +57,15 @@ def application(config: ServiceConfig) -> Any:
     options: dict[str, Any] = {"num_cpus": 0}  # sandboxes reserve their own CPUs
     if config.num_replicas == 1 and on_head(config):  # it holds the books' SQLite file
         options["resources"] = HEAD
+    more: dict[str, Any] = {}
+    if config.max_replicas_per_node:
+        more["max_replicas_per_node"] = config.max_replicas_per_node
     deployment = serve.deployment(
         name="SandboxService",
         num_replicas=config.num_replicas,
         max_ongoing_requests=config.max_ongoing_requests,  # long polls hold a request each
         ray_actor_options=options,
-        **({"max_replicas_per_node": config.max_replicas_per_node}
-           if config.max_replicas_per_node else {}),
+        **more,
     )(serve.ingress()(SandboxService))
     return deployment.bind(config)
 

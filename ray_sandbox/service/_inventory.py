@@ -66,7 +66,7 @@ def _on_node(tenant_label: str) -> dict[str, Any]:
             snaps.append({"id": snap.snapshot_id, "created_at": snap.created_at,
                           "tenant": labels.get(tenant_label), "snapshot":
                           snap.model_dump(mode="json")})
-    images = []
+    images: list[dict[str, Any]] = []
     root = fs_image.root(home)
     if root.is_dir():
         for scope in sorted(root.iterdir()):

@@ -31,6 +31,7 @@ from ..actor.hosts import ask_hosts
 from ..actor.labels import NAME_LABEL
 from ..runtime import fs_image
 from ..runtime.snapshot import Snapshot
+from ..runtime.volumes import VolumeInfo
 from . import _inventory
 from ._config import ServiceConfig
 from ._sandboxes import CPU_LABEL, MEMORY_LABEL, TENANT_LABEL
@@ -107,7 +108,7 @@ async def _pass(books: Books, config: ServiceConfig,
     inv = await asyncio.to_thread(_inventory.collect, TENANT_LABEL, config.call_timeout)
     kept = await books.kept_all()
     named = {(kind, key) for kind, _, key, _, _ in kept}
-    lost_kept = {"snapshots": [], "filesystem_images": []}
+    lost_kept: dict[str, list[dict[str, str]]] = {"snapshots": [], "filesystem_images": []}
     for kind, tenant, key, value, was_lost in kept:
         if kind == SNAPSHOT:
             here = _inventory.presence(inv, "snapshots", key,
@@ -167,7 +168,7 @@ async def _pass(books: Books, config: ServiceConfig,
         {k: v for k, v in i.items() if k not in ("take", "tenant")} for i in foreign.values()]
 
     # --- volumes -----------------------------------------------------------------------------
-    volumes = await asyncio.to_thread(ray_volumes.list_volumes)
+    volumes: list[VolumeInfo] = await asyncio.to_thread(ray_volumes.list_volumes)
     known = {}
     for tenant, _, _ in await books.volume_rows():
         known[prefix(tenant)] = tenant
@@ -204,7 +205,7 @@ async def _sandbox_orphan(h: Any, key: str, tenant: str, why: str, now: float,
     item: dict[str, Any] = {"id": key, "tenant": tenant, "node": h.node_id, "why": why,
                             "age": None}
     try:
-        status = await asyncio.to_thread(ray.get, h.status.remote(), timeout=60)
+        status: Any = await asyncio.to_thread(ray.get, h.status.remote(), timeout=60)
     except Exception as exc:  # noqa: BLE001 - gone meanwhile, or its host is down
         item["action"] = f"no status: {exc}"[:500]
         return item

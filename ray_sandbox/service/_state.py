@@ -103,6 +103,7 @@ class Books:
         self._events: dict[tuple[str, ...], tuple[asyncio.Event, list[int]]] = {}
         self._swept = 0.0
         self.counts: dict[str, int] = {}
+        self._sweep()  # what a restart finds: old rows go, the row counts are exported
 
     def close(self) -> None:
         self._db.close()
@@ -199,6 +200,7 @@ class Books:
             return self._token(tx, tenant, token, time.time())
 
     async def epoch(self) -> int:
+        self._sweep()
         with self._db.read("epoch") as tx:
             return int(tx.one("SELECT value FROM counters WHERE name = 'epoch'")[0])
 

@@ -11,6 +11,7 @@ run in the caller's threads (``blocking``)."""
 from __future__ import annotations
 
 import asyncio
+import builtins
 import hashlib
 import secrets
 import time
@@ -58,7 +59,8 @@ class TenantVolumes:
         found = await self._blocking(volumes.list_volumes)
         return [_public(v, tenant) for v in found if v.name.startswith(mine)]
 
-    async def listing(self, tenant: str) -> tuple[list[VolumeInfo], list[str]]:
+    async def listing(self, tenant: str) -> tuple[builtins.list[VolumeInfo],
+                                                   builtins.list[str]]:
         """The tenant's volumes on the live nodes, and the names of those the books hold
         that no live node has (lost: their node died)."""
         live = await self.list(tenant)
