@@ -267,10 +267,10 @@ class PostgresStore:
         conn = self._connect()
         try:
             with conn.transaction(), conn.cursor() as cur:
-                if lock:
-                    cur.execute("SELECT pg_advisory_xact_lock(%s)", (PG_LOCK,))
-                if not durable:
-                    cur.execute("SET LOCAL synchronous_commit = off")
+                if lock:  # one round trip for both
+                    cur.execute("SELECT pg_advisory_xact_lock(%s), set_config("
+                                "'synchronous_commit', %s, true)",
+                                (PG_LOCK, "on" if durable else "off"))
                 yield _PgTx(cur)
         except self._psycopg.Error as exc:
             if conn.broken or isinstance(exc, self._psycopg.OperationalError):
