@@ -465,10 +465,9 @@ class Books:
         return None
 
     def _running(self, tx: Any, tenant: str) -> int:
-        execs = tx.one("SELECT COUNT(*) FROM execs WHERE tenant = ? AND finished IS NULL",
-                       tenant)[0]
-        streams = tx.one("SELECT COUNT(*) FROM streams WHERE tenant = ?", tenant)[0]
-        return int(execs) + int(streams)
+        return int(tx.one("SELECT (SELECT COUNT(*) FROM execs WHERE tenant = ? AND finished IS "
+                          "NULL) + (SELECT COUNT(*) FROM streams WHERE tenant = ?)", tenant,
+                          tenant)[0])
 
     async def exec_finished(self, api_id: str, exec_id: str, info: dict[str, Any]) -> None:
         size = sum(len(info.get(k) or "") for k in ("stdout", "stderr"))
