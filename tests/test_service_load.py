@@ -18,6 +18,10 @@ skip_module_unless_heavy()
 N = 200
 EXECS = 3  # per sandbox, concurrently
 SERVICE_QUOTAS = (f"alice:sandboxes={N},cpu={N},memory={N * 64}Mi",)
+# all N at once from one tenant: its fair shares of a replica (creates in flight, requests
+# and long polls; a 429 past each) are raised to what N sandboxes with EXECS execs each hold
+SERVICE_SETTINGS = {"max_pending_creates": N, "max_requests_per_tenant": N * (EXECS + 1),
+                    "max_long_polls_per_tenant": N * (EXECS + 1)}
 
 
 def test_200_sandboxes_with_concurrent_exec_polling(service: Service):
