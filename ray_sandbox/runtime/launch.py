@@ -22,7 +22,7 @@ from . import _mount, bundle, disk, docker, network, procfs
 from ._inotify import DirWatch
 from .agent.client import AgentClient
 from .bundle import SandboxDir
-from .config import SandboxConfig
+from .config import PullNetwork, SandboxConfig
 from .connections import Connections
 from .errors import (
     ConfigError,
@@ -225,7 +225,7 @@ class Launcher:
     def create(self, sandbox_id: str, cfg: SandboxConfig, detach: bool) -> SandboxRecord:
         """Start a sandbox from its image; on any failure nothing of it is left."""
         agent = agent_binary()
-        image = self._pinned(cfg.image, sandbox_id, cfg)
+        image = self._pinned(cfg.image, sandbox_id, cfg.pull_network)
         sdir = self._records.sdir(sandbox_id)
         try:
             sdir.create()
@@ -244,7 +244,7 @@ class Launcher:
         # The caller's id: maybe that of a sandbox just deleted, whose teardown unpins the
         # same owner, so it is finished before the pin.
         self._settle(sandbox_id)
-        image = self._pinned(snap.image, sandbox_id, cfg)
+        image = self._pinned(snap.image, sandbox_id, cfg.pull_network)
         if image.digest != snap.image_digest:
             raise SnapshotCorruptError(
                 f"image {snap.image} is {image.digest} on this node, the snapshot needs "
@@ -273,11 +273,11 @@ class Launcher:
     def _pin_owner(self, sandbox_id: str) -> str:
         return self._pin_prefix + sandbox_id
 
-    def _pinned(self, ref: str, sandbox_id: str, cfg: SandboxConfig) -> Image:
+    def _pinned(self, ref: str, sandbox_id: str, network: PullNetwork = "node") -> Image:
         """The image, pinned for this sandbox (a concurrent remove between get and pin makes
-        the store fetch it again), pulled from the network ``cfg.pull_network`` names."""
+        the store fetch it again), pulled over ``network`` (the config's ``pull_network``)."""
         for attempt in range(3):
-            image = self.images.get(ref, network=cfg.pull_network)
+            image = self.images.get(ref, network=network)
             try:
                 self.images.pin(image.digest, self._pin_owner(sandbox_id), home=self.home)
                 return image

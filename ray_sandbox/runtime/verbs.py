@@ -88,7 +88,8 @@ class CommandRequest(Request):
     user: str | None = Field(None, description="'name', 'uid' or 'uid:gid'")
     shell: str | None = Field(None, description="the shell a string runs through")
     timeout: float | None = Field(
-        None, validation_alias=AliasChoices("timeout", "timeout_seconds"),
+        None, strict=True,  # "5" is a caller's bug, not five seconds
+        validation_alias=AliasChoices("timeout", "timeout_seconds"),
         serialization_alias="timeout_seconds",
         description="seconds; the whole process tree is killed at it (None: the sandbox's "
                     "timeout_seconds); over HTTP it is named timeout_seconds")

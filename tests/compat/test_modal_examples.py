@@ -117,6 +117,7 @@ def test_safe_code_execution(app, capsys, tmp_path):
         sb.terminate()
 
 
+@heavy  # it follows test_safe_code_execution's build; alone it is that build (235 s in CI)
 @pytest.mark.timeout(600)
 def test_the_same_chain_again_is_not_built_again(app, capsys):
     again = modal.Image.debian_slim(python_version="3.11").apt_install("nodejs", "ruby", "php")
