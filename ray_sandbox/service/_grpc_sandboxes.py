@@ -217,17 +217,22 @@ class WireSandboxes:
 
         async def ended() -> None:
             await proc.done.wait()
+            if rec.result is None and not rec.ending:
+                try:  # the command may have died with its sandbox (its TTL): that is its end
+                    await self._check(rec)
+                except Exception as exc:
+                    log.info("checking %s after its command exited: %s", rec.api_id, exc)
             if rec.result is not None or rec.ending:
                 return
             code = proc.exit_code if proc.exit_code is not None else 1
             result = R(status=R.GENERIC_STATUS_SUCCESS if code == 0 else
                        R.GENERIC_STATUS_FAILURE, exitcode=code)
             rec.ending = True
+            rec.end(result)  # before the delete: a wait meanwhile sees the exit, not an end
             try:
                 await self.sandboxes.delete(rec.tenant, rec.api_id)
             except Exception as exc:  # its TTL ends it
                 log.warning("ending %s after its command exited: %s", rec.api_id, exc)
-            rec.end(result)
 
         proc.watcher = asyncio.ensure_future(ended())  # held: an unheld task may vanish
 
