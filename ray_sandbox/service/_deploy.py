@@ -64,7 +64,8 @@ class SandboxService:
 def application(config: ServiceConfig) -> Any:
     """The Serve application, for ``serve.run`` (or a RayService's import path)."""
     options: dict[str, Any] = {"num_cpus": 0}  # sandboxes reserve their own CPUs
-    if config.num_replicas == 1 and on_head(config):  # it holds the books' SQLite file
+    if config.modal_port is not None or (config.num_replicas == 1 and on_head(config)):
+        # the books' SQLite file, and Modal's gRPC port (docs/modal.md), are the head's
         options["resources"] = HEAD
     more: dict[str, Any] = {}
     if config.max_replicas_per_node:
