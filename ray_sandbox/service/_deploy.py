@@ -36,8 +36,9 @@ class SandboxService:
             self._modal = _grpc_serve.serve(config, self._sandboxes)
 
     def __del__(self) -> None:
-        if getattr(self, "_modal", None) is not None:
-            self._modal.close()
+        modal = getattr(self, "_modal", None)
+        if modal is not None:
+            modal.close()
 
     def __serve_build_asgi_app__(self) -> Any:
         return self._app

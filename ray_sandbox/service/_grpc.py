@@ -79,7 +79,8 @@ class Call:
     sandbox: str | None = None  # router calls only
 
     def meta(self, key: str) -> str:
-        value = (self.stream.metadata or {}).get(key, "")
+        md: Any = self.stream.metadata
+        value = md.get(key) if md is not None else None
         return value if isinstance(value, str) else ""
 
 
@@ -190,7 +191,8 @@ class Ingress:
         for base, impl, prefix in ((api_grpc.ModalClientBase, control, CONTROL),
                                    (task_command_router_grpc.TaskCommandRouterBase, router,
                                     ROUTER)):
-            for path, h in base.__mapping__(_Names()).items():
+            names: Any = _Names()  # stands in for an implementation (see _Names)
+            for path, h in base.__mapping__(names).items():
                 name = path.removeprefix(prefix)
                 fn = getattr(impl, name, None)
                 table[path] = h._replace(func=self._handler(name, prefix, h.cardinality, fn))
@@ -272,7 +274,7 @@ class Ingress:
         return handle
 
     def _authenticate(self, stream: Stream, prefix: str) -> tuple[str, str | None]:
-        md = stream.metadata or {}
+        md: Any = stream.metadata or {}
         if prefix == ROUTER:
             scheme, _, token = str(md.get("authorization", "")).partition(" ")
             claims = read_jwt(self._config, token.strip()) if scheme.lower() == "bearer" \

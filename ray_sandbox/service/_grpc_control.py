@@ -189,7 +189,8 @@ class Control:
                 lines = image.logs[sent:]
                 sent += len(lines)
                 yield api_pb2.ImageJoinStreamingResponse(
-                    task_logs=[api_pb2.TaskLogs(data=line + "\n", file_descriptor=1)
+                    task_logs=[api_pb2.TaskLogs(data=line + "\n",
+                                                file_descriptor=api_pb2.FILE_DESCRIPTOR_STDOUT)
                                for line in lines], entry_id=str(sent))
                 continue
             if image.state != "building":
@@ -557,7 +558,8 @@ class Control:
 
     async def SandboxGetFromNameV2(self, call: Call,
                                    req: api_pb2.SandboxGetFromNameRequest) -> Any:
-        app_id = self._apps.get(call.tenant, {}).get(req.app_name) or \
+        apps: OrderedDict[str, str] = self._apps.get(call.tenant, OrderedDict())
+        app_id = apps.get(req.app_name) or \
             self._app_id(call.tenant, req.environment_name, req.app_name)
         for info in await self.wire.listing(call.tenant, app_id, {}, 0,
                                             req.include_terminated):
@@ -584,12 +586,12 @@ class Control:
         if rec.entry is None:
             await self.wire.result(rec, min(req.timeout or WAIT_CAP, WAIT_CAP))
         proc = rec.entry
-        fd = 1 if req.file_descriptor == api_pb2.FILE_DESCRIPTOR_STDOUT else 2
         if proc is None:  # no command: no output
             if rec.result is not None:
                 yield api_pb2.TaskLogsBatch(eof=True, entry_id=req.last_entry_id or "0")
             return
-        out = proc.stdout if fd == 1 else proc.stderr
+        out = proc.stdout if req.file_descriptor == api_pb2.FILE_DESCRIPTOR_STDOUT \
+            else proc.stderr
         start = int(req.last_entry_id) if req.last_entry_id.isdigit() else 0
         async for off, chunk in out.read(start, self._config.modal_stream_idle_seconds):
             yield api_pb2.TaskLogsBatch(
@@ -629,6 +631,7 @@ def _image_result(image: WireImage) -> api_pb2.GenericResult:
 
 def _image_metadata(image: WireImage) -> api_pb2.ImageMetadata:
     out = api_pb2.ImageMetadata(image_builder_version=BUILDER_VERSION)
-    if image.workdir():
-        out.workdir = image.workdir()
+    workdir = image.workdir()
+    if workdir:
+        out.workdir = workdir
     return out
