@@ -124,12 +124,12 @@ class ServiceConfig(BaseModel):
         "instead (python:3.12-slim -> ray-sandbox/python:3.13): unmodified scripts offline")
     modal_max_message_bytes: int = Field(4 << 20, gt=0, description="one gRPC request "
                                          "message")
-    modal_max_streams_per_tenant: int = Field(64, gt=0, description="a tenant's open gRPC "
-                                              "streams (output reads, stdin, joins), per "
-                                              "replica")
+    modal_max_streams_per_tenant: int = Field(512, gt=0, description="a tenant's open gRPC "
+                                              "streams and long polls (output reads, stdin, "
+                                              "joins, waits), per replica")
     modal_stdin_bytes: int = Field(4 << 20, gt=0, description="one stdin write of a "
                                    "command (one in flight per command)")
-    modal_output_bytes: int = Field(16 << 20, gt=0, description="output of one command's "
+    modal_output_bytes: int = Field(4 << 20, gt=0, description="output of one command's "
                                     "stream kept unread; past it the command's host buffers")
     modal_stream_idle_seconds: float = Field(300.0, gt=0, description="an output stream "
                                              "with nothing to send ends (the client reads "

@@ -68,6 +68,12 @@ READ_ONLY = frozenset({
     "SandboxStdinWrite"})
 
 
+# Unary calls that wait (long polls): counted with the streams, which are held as long
+LONG_POLLS = frozenset({"SandboxWait", "SandboxWaitV2", "SandboxGetTaskId",
+                        "SandboxGetTaskIdV2", "TaskExecWait", "SandboxWaitUntilReady",
+                        "SandboxGetTunnels", "SandboxGetTunnelsV2"})
+
+
 @dataclass(frozen=True)
 class Call:
     """One RPC as a handler sees it: whose it is, and for the router the one sandbox its
@@ -151,8 +157,8 @@ async def recv(stream: Stream, limit: int) -> Any:
 
 class Shares:
     """Each tenant's share of the ingress: unary calls in flight
-    (``max_requests_per_tenant``) and open streams (``modal_max_streams_per_tenant``);
-    past either, RESOURCE_EXHAUSTED naming it."""
+    (``max_requests_per_tenant``) and open streams and long polls
+    (``modal_max_streams_per_tenant``); past either, RESOURCE_EXHAUSTED naming it."""
 
     def __init__(self, config: ServiceConfig) -> None:
         self._limits = {False: config.max_requests_per_tenant,
@@ -243,7 +249,7 @@ class Ingress:
 
     def _handler(self, name: str, prefix: str, card: Cardinality,
                  fn: Callable[..., Any] | None) -> Callable[[Stream], Any]:
-        streaming = card is not Cardinality.UNARY_UNARY
+        streaming = card is not Cardinality.UNARY_UNARY or name in LONG_POLLS
 
         async def handle(stream: Stream) -> None:
             t0 = time.monotonic()

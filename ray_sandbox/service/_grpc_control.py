@@ -40,6 +40,8 @@ MAX_PER_TENANT = 1024  # apps, secrets, ephemeral volumes kept per tenant (LRU)
 EPHEMERAL_TTL = 900.0  # an ephemeral volume without a heartbeat this long is deleted
 SWEEP_S = 60.0
 WAIT_CAP = 10.0  # a long poll of the client (SandboxWait asks for 10 s; others less)
+ONCE_S = 120.0  # a retried call (the same x-idempotency-key) gets the first one's answer
+MAX_ONCE = 4096
 JOIN_CAP = 50.0  # an image join answers within the client's 55 s
 C = api_pb2.ObjectCreationType
 NA = api_pb2.NetworkAccess
@@ -71,6 +73,29 @@ class Control:
         self._ephemeral_volumes: dict[tuple[str, str], float] = {}  # (tenant, name) -> beat
         self._sweeper: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        # (tenant, RPC, idempotency key) -> (when, the first call's answer): the client retries
+        # a create on UNAVAILABLE or a lost answer with the same key
+        self._once: OrderedDict[tuple[str, str, str], tuple[float, asyncio.Future[Any]]] = \
+            OrderedDict()
+
+    async def _idempotent(self, call: Call, make: Any) -> Any:
+        """``make()``'s answer, once per idempotency key: a retry waits for the first
+        attempt and gets its answer (or its error) instead of creating again."""
+        key = call.meta("x-idempotency-key")
+        if not key:
+            return await make()
+        now = time.monotonic()
+        while self._once and next(iter(self._once.values()))[0] < now - ONCE_S:
+            self._once.popitem(last=False)
+        found = self._once.get((call.tenant, call.name, key))
+        if found is not None:
+            return await asyncio.shield(found[1])
+        fut: asyncio.Future[Any] = asyncio.ensure_future(make())
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # never "unretrieved"
+        self._once[(call.tenant, call.name, key)] = (now, fut)
+        while len(self._once) > MAX_ONCE:
+            self._once.popitem(last=False)
+        return await asyncio.shield(fut)
 
     def _background(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -304,6 +329,9 @@ class Control:
 
     async def SandboxCreateV2(self, call: Call,
                               req: api_pb2.SandboxCreateV2Request) -> Any:
+        return await self._idempotent(call, lambda: self._create_v2(call, req))
+
+    async def _create_v2(self, call: Call, req: api_pb2.SandboxCreateV2Request) -> Any:
         env = self._env(call.tenant, req.secret_sources, req.definition.secret_ids)
         if req.ephemeral_secrets.contents:
             env.update(dict(req.ephemeral_secrets.contents))
@@ -322,6 +350,9 @@ class Control:
     async def SandboxCreate(self, call: Call, req: api_pb2.SandboxCreateRequest) -> Any:
         """The V1 create (``MODAL_SANDBOX_V2=0``): secrets by id; the client then polls
         ``SandboxGetTaskId``."""
+        return await self._idempotent(call, lambda: self._create_v1(call, req))
+
+    async def _create_v1(self, call: Call, req: api_pb2.SandboxCreateRequest) -> Any:
         env = self._env(call.tenant, (), req.definition.secret_ids)
         rec, _ = await self._create(call, req.app_id, req.definition, env,
                                     {t.tag_name: t.tag_value for t in req.tags})

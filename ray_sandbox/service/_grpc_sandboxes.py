@@ -37,7 +37,9 @@ MODAL_LABELS = (APP_LABEL, NAME_LABEL, PLAIN_LABEL)
 ID_RE = re.compile(r"^(sb|ta)-([0-9a-f]{32})$")
 WAIT_STEP = 1.0  # a wait asks the host whether the sandbox still runs this often
 MAX_RECORDS = 4096  # sandboxes remembered per replica (ended ones are forgotten first)
-MAX_EXECS = 256  # processes kept per sandbox (the oldest finished one is forgotten)
+MAX_EXECS = 256  # processes per sandbox (running ones included)
+MAX_FINISHED = 16  # finished processes kept per sandbox, with their unread output
+FINISHED_KEEP_S = 300.0  # ... and for this long after they ended
 FINISHED = {"terminated", "error"}
 
 R = api_pb2.GenericResult
@@ -294,6 +296,17 @@ class WireSandboxes:
         return out
 
     def execs(self, rec: WireSandbox) -> OrderedDict[str, Proc]:
+        """The sandbox's processes, with room for one more: finished ones are forgotten
+        (their output with them) past ``MAX_FINISHED`` or ``FINISHED_KEEP_S``, oldest
+        first."""
+        now = time.monotonic()
+        ended = [k for k, p in rec.execs.items() if p.finished_at is not None]
+        for k in ended[:max(0, len(ended) - MAX_FINISHED)]:
+            del rec.execs[k]
+        for k in ended[-MAX_FINISHED:]:
+            at = rec.execs[k].finished_at
+            if at is not None and now - at > FINISHED_KEEP_S:
+                del rec.execs[k]
         while len(rec.execs) >= MAX_EXECS:
             done = next((k for k, p in rec.execs.items() if p.done.is_set()), None)
             if done is None:
