@@ -65,14 +65,17 @@ class ModalService:
                 "MODAL_TOKEN_SECRET": TOKENS.get(tenant, "") if secret is None else secret}
 
     def run(self, code: str, tmp: Path, *, tenant: str = "alice", secret: str | None = None,
-            timeout: float = 300, args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-        """Run ``code`` (a script as a user would write it) with the client's Python."""
+            timeout: float = 300, args: tuple[str, ...] = (),
+            extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        """Run ``code`` (a script as a user would write it) with the client's Python;
+        ``extra_env`` adds a client setting (``MODAL_SANDBOX_V2=0``) where a test says so."""
         script = tmp / f"script_{time.monotonic_ns()}.py"
         script.write_text(textwrap.dedent(code))
         home = tmp / "home"
         home.mkdir(exist_ok=True)
         return subprocess.run([str(self.python), str(script), *args], cwd=tmp,
-                              env=self.env(tenant, secret, home), capture_output=True,
+                              env={**self.env(tenant, secret, home), **(extra_env or {})},
+                              capture_output=True,
                               text=True, timeout=timeout)
 
     def ok(self, code: str, tmp: Path, **kw) -> str:

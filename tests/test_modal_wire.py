@@ -526,3 +526,27 @@ def test_what_is_not_supported_says_so_and_never_hangs(modal_service: ModalServi
     assert "REGION UnimplementedError" in out
     assert "QUEUE UnimplementedError" in out and "QueueGetOrCreate" in out
     assert "SECRET NotFoundError" in out
+
+
+def test_the_v1_calls_with_modal_sandbox_v2_off(modal_service: ModalService, tmp_path):
+    """The client's older calls (``MODAL_SANDBOX_V2=0``; also what pty/gpu creates use):
+    secrets by id, the task id polled, the entrypoint's output through the control plane."""
+    out = modal_service.ok("""
+        import modal
+
+        app = modal.App.lookup("wire-v1", create_if_missing=True)
+        sb = modal.Sandbox.create("sh", "-c", "echo v1:$A; read x; echo $x", app=app,
+                                  secrets=[modal.Secret.from_dict({"A": "one"})], timeout=60)
+        sb.stdin.write(b"two\\n")
+        sb.stdin.write_eof()
+        sb.stdin.drain()
+        print("OUT", sb.stdout.read().split())
+        sb.wait()
+        print("RC", sb.returncode)
+        other = modal.Sandbox.create(app=app, timeout=60)
+        print("EXEC", other.exec("echo", "via-router").stdout.read().strip())
+        other.terminate()
+    """, tmp_path, extra_env={"MODAL_SANDBOX_V2": "0"})
+    assert "OUT ['v1:one', 'two']" in out
+    assert "RC 0" in out
+    assert "EXEC via-router" in out
