@@ -36,6 +36,7 @@ import anyio.to_thread
 import ray
 
 from ..runtime import SandboxRuntime, docker, paths
+from ..runtime.config import PullNetwork
 from ..runtime.errors import ImageBuildError, SandboxError
 from ..runtime.images import ImageStore
 from ._config import ServiceConfig
@@ -79,6 +80,7 @@ class WireImage:
     image_id: str
     root: str  # what the sandbox boots (alias applied), or a fs-image:// name
     lines: tuple[str, ...]
+    pull_network: PullNetwork = "public"  # how the root is fetched (the tenant policy's)
     state: str = "ready"  # ready | building | failed
     logs: list[str] = field(default_factory=list)
     error: str | None = None
@@ -174,10 +176,10 @@ class Images:
             parent = self.find(tenant, bases[source])
             if parent.root.startswith(FS_IMAGE_SCHEME) and rest:
                 raise unimplemented("image steps over a snapshot_filesystem() image")
-            root, lines_all = parent.root, parent.lines + rest
+            root, lines_all, pulls = parent.root, parent.lines + rest, parent.pull_network
         else:
             root, lines_all = self._root(source, rest)
-            await self._check_root(tenant, root)
+            pulls = await self._check_root(tenant, root)
         key = hashlib.sha256("\0".join((tenant, root, *lines_all)).encode()).hexdigest()
         image_id = f"im-{key[:24]}"
         mine = self._by_tenant.setdefault(tenant, OrderedDict())
@@ -185,7 +187,7 @@ class Images:
         if known is not None and known.state != "failed":
             mine.move_to_end(image_id)
             return known
-        image = WireImage(image_id, root, lines_all)
+        image = WireImage(image_id, root, lines_all, pull_network=pulls)
         mine[image_id] = image
         while len(mine) > MAX_IMAGES:
             mine.popitem(last=False)
@@ -230,10 +232,14 @@ class Images:
         dockerfile = "\n".join([f"FROM {image.root}", *image.lines]) + "\n"
 
         def build() -> tuple[str, str]:
+            runtime = _build_runtime()
+            # the root first, from the network the tenant's policy names (a tenant's registry
+            # reaches only public addresses); the build then finds it stored
+            runtime.images.get(image.root, network=image.pull_network, progress=progress)
             with tempfile.TemporaryDirectory(prefix="modal-build-") as ctx:
                 (Path(ctx) / "Dockerfile").write_text(dockerfile)
                 built = docker.build_image(
-                    _build_runtime(), ctx, tag=tag, network=network,
+                    runtime, ctx, tag=tag, network=network,
                     timeout=self._config.modal_build_timeout, progress=progress)
             return built.ref, ray.get_runtime_context().get_node_id()
 

@@ -36,7 +36,7 @@ from ray.exceptions import RayActorError
 from .. import actor
 from ..actor.hosts import host_for_node
 from ..actor.placement import node_alive
-from ..runtime.config import EgressPolicy, SandboxConfig
+from ..runtime.config import EgressPolicy, PullNetwork, SandboxConfig
 from ..runtime.errors import CapacityError, SandboxError, SandboxNotFoundError
 from ..runtime.results import ExecResult, SandboxState
 from ..runtime.verbs import ExecRequest, NoRequest
@@ -437,10 +437,11 @@ class Sandboxes:
         charge = known.charge if known is not None and known.tenant == tenant else Charge(0, 0)
         return Entry(api_id, tenant, charge, "", {}, None, token_answer=True)
 
-    async def check_image(self, tenant: str, image: str) -> None:
+    async def check_image(self, tenant: str, image: str) -> PullNetwork:
         """400 unless the tenant's policy lets it boot ``image`` (before an ingress pulls
-        or builds on it)."""
-        await self._blocking(self._under_policy, tenant, {"image": image})
+        or builds on it); the network its pull must use (``pull_network``)."""
+        template = await self._blocking(self._under_policy, tenant, {"image": image})
+        return template.config.pull_network
 
     async def held_egress(self, tenant: str, network: str,
                           egress: dict[str, Any]) -> EgressPolicy:
