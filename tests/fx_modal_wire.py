@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,7 +97,16 @@ def wait_port(port: int, limit: float = 60) -> None:
 
 
 @pytest.fixture(scope="module")
-def modal_service(request, service: Service, modal_python: Path) -> ModalService:
+def modal_service(request, service: Service, modal_python: Path,
+                  image_store) -> Iterator[ModalService]:
+    """The module's service (tests/fx_service.py) with its Modal port up; the images its
+    Modal clients had built are removed from the node's store at the end."""
+    from tests.test_docker_harbor import builds_now, forget_new_builds
+
     port = request.module.SERVICE_SETTINGS["modal_port"]
+    before = builds_now(image_store)
     wait_port(port)
-    return ModalService(service, f"http://127.0.0.1:{port}", modal_python)
+    try:
+        yield ModalService(service, f"http://127.0.0.1:{port}", modal_python)
+    finally:
+        forget_new_builds(image_store, before)
