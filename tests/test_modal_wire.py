@@ -6,6 +6,7 @@ user would, and run with only MODAL_SERVER_URL, MODAL_TOKEN_ID and MODAL_TOKEN_S
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import pytest
 from tests import fx_modal_wire
 from tests.fx_modal_wire import ModalService
 from tests.fx_service import free_port
+from tests.test_service_cli import CLI
 
 SERVICE_SETTINGS = {"modal_port": free_port(),
                     "modal_image_aliases": {"python:3.12-slim": "ray-sandbox/python:3.13"}}
@@ -550,3 +552,14 @@ def test_the_v1_calls_with_modal_sandbox_v2_off(modal_service: ModalService, tmp
     assert "OUT ['v1:one', 'two']" in out
     assert "RC 0" in out
     assert "EXEC via-router" in out
+
+
+def test_serve_refuses_a_bad_modal_image_alias_in_one_line():
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("RAY_SANDBOX_API_")},
+           "RAY_SANDBOX_API_TOKEN": "cli-token-0123456789", "COLUMNS": "200"}
+    out = subprocess.run([CLI, "serve", "--modal-port", "50051", "--modal-image-alias",
+                          "python:3.12-slim"], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.splitlines() == [
+        "error: --modal-image-alias takes IMAGE=OTHER, got 'python:3.12-slim'"]
