@@ -93,6 +93,17 @@ def test_entrypoint_output_stdin_exit_code_and_timeouts(modal_service: ModalServ
             print("NO-TIMEOUT", sb.returncode)
         except modal.exception.SandboxTimeoutError:
             print("SANDBOX-TIMEOUT", sb.returncode)
+
+        missing = modal.Sandbox.create("no-such-command", app=app, timeout=60)
+        missing.wait()
+        print("MISSING", missing.returncode)
+
+        idle = modal.Sandbox.create(app=app, idle_timeout=3, timeout=120)
+        t0 = time.monotonic()
+        try:
+            idle.wait()
+        except modal.exception.SandboxTimeoutError:
+            print("IDLE-TIMEOUT", idle.returncode, time.monotonic() - t0 < 60)
     """, tmp_path)
     assert "OUT ['started', 'got:zz']" in out
     assert "RC 7" in out
@@ -100,6 +111,8 @@ def test_entrypoint_output_stdin_exit_code_and_timeouts(modal_service: ModalServ
     assert "EXEC-TIMEOUT True True" in out
     assert "LEFT 0" in out  # ... and the service killed the command
     assert "SANDBOX-TIMEOUT 124" in out
+    assert "MISSING 127" in out  # a command that cannot start ends its sandbox
+    assert "IDLE-TIMEOUT 124 True" in out
 
 
 def test_filesystem_calls(modal_service: ModalService, tmp_path):
@@ -246,6 +259,7 @@ def test_images_registry_alias_debian_slim_dsl_and_dockerfile(modal_service: Mod
     assert "SLIM (3, 11)" in out
     assert "META 1 /tmp" in out
     assert "BUILT built-42" in out
+    assert "Step 2/2 : RUN echo built-$((6*7))" in out  # the build's log, under enable_output
     assert "DOCKERFILE from-dockerfile" in out
     assert "FAILED-BUILD ImageBuildError" in out
     assert "LOCAL-FILE" in out

@@ -45,6 +45,7 @@ from ._kept import FS_IMAGE_SCHEME
 
 MAX_IMAGES = 1024  # kept per tenant (least recently used forgotten)
 MAX_LOG_LINES = 2000  # of one build, for the client's join
+MAX_LOG_LINE = 4096  # characters of one line
 NO_BUILD = frozenset({"ENV", "WORKDIR", "CMD", "ENTRYPOINT", "LABEL", "EXPOSE", "SHELL",
                       "STOPSIGNAL", "HEALTHCHECK", "MAINTAINER", "VOLUME"})
 # Modal's debian_slim() recipe (its RUN lines, builder 2025.06 and later): the image exists
@@ -107,7 +108,7 @@ class WireImage:
 
     def say(self, line: str) -> None:
         if len(self.logs) < MAX_LOG_LINES:
-            self.logs.append(line)
+            self.logs.append(line[:MAX_LOG_LINE])
         self.changed.set()
         self.changed = asyncio.Event()
 

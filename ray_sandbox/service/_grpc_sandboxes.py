@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 from grpclib import GRPCError, Status
 from modal_proto import api_pb2
 
+from ..runtime.errors import SandboxError
 from ..runtime.verbs import SpawnRequest
 from . import _ports
 from ._config import ServiceConfig
@@ -214,7 +215,14 @@ class WireSandboxes:
         stderr, and the sandbox ends when it exits, with its exit code."""
         proc = Proc(entry.handle, self.sandboxes.call, out_cap=self.config.modal_output_bytes,
                     stdin_cap=self.config.modal_stdin_bytes)
-        await proc.start(SpawnRequest(command=args, cwd=workdir), None)
+        try:
+            await proc.start(SpawnRequest(command=args, cwd=workdir), None)
+        except SandboxError as exc:  # it could not start (no such command): the sandbox ends
+            rec.ending = True
+            rec.end(R(status=R.GENERIC_STATUS_FAILURE, exitcode=127,
+                      exception=f"the sandbox's command could not start: {exc.message}"))
+            await self.sandboxes.delete(rec.tenant, rec.api_id)
+            return
         rec.entry = proc
 
         async def ended() -> None:
