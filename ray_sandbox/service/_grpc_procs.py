@@ -31,6 +31,7 @@ from ..runtime.verbs import SpawnRequest
 log = logging.getLogger(__name__)
 
 READ_WAIT = 0.5  # one read on the host waits this long for output before the exit is asked
+FIRST_WAIT = 0.05  # the first call waits this long for the exit: a short command is one call
 KEEP_BEHIND = 1 << 20  # bytes kept before the furthest read offset, for a reconnect's retry
 KILLED = 137
 
@@ -149,6 +150,13 @@ class Proc:
         proc = self.handle.process
         killed = False
         try:
+            # most commands are short: one call gets the exit and all the output of one that
+            # ends within FIRST_WAIT (its first output is that much later for a long one)
+            res = await self._call(proc.remote(self.key, "wait", FIRST_WAIT))
+            if res is not None:
+                self._keep(res.stdout_bytes, res.stderr_bytes)
+                self.result = res
+                return
             while True:
                 await asyncio.gather(self.stdout.room(), self.stderr.room())
                 out, err = await self._call(proc.remote(self.key, "read_both", READ_WAIT))
