@@ -16,7 +16,7 @@ from tests.fx_modal_wire import ModalService
 from tests.fx_service import free_port
 from tests.test_service_cli import CLI
 
-SERVICE_SETTINGS = {"modal_port": free_port(),
+SERVICE_SETTINGS = {"modal_port": free_port(), "port_host_suffix": "ports.test",
                     "modal_image_aliases": {"python:3.12-slim": "ray-sandbox/python:3.13"}}
 SERVICE_QUOTAS = ("bob:sandboxes=2,cpu=2,memory=2Gi",)
 

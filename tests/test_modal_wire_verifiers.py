@@ -17,7 +17,7 @@ from tests.fx_hostile import heavy
 from tests.fx_modal_wire import CACHE, ModalService
 from tests.fx_service import free_port
 
-SERVICE_SETTINGS = {"modal_port": free_port(),
+SERVICE_SETTINGS = {"modal_port": free_port(), "port_host_suffix": "ports.test",
                     "modal_image_aliases": {"python:3.11-slim": "ray-sandbox/python:3.11"}}
 SERVICE_QUOTAS = ()
 VERIFIERS_SPEC = "verifiers[modal]==0.4.0"

@@ -27,6 +27,7 @@ import anyio
 from ..runtime.errors import SandboxError, SandboxStateError
 from ..runtime.results import ExecResult
 from ..runtime.verbs import SpawnRequest
+from . import _errors
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +35,6 @@ READ_WAIT = 0.5  # one read on the host waits this long for output before the ex
 FIRST_WAIT = 0.05  # the first call waits this long for the exit: a short command is one call
 KEEP_BEHIND = 1 << 20  # bytes kept before the furthest read offset, for a reconnect's retry
 KILLED = 137
-
-
-class Idle(Exception):
-    """A read stream waited past its idle bound without output."""
 
 
 class Output:
@@ -94,10 +91,8 @@ class Output:
                 continue
             if self.eof:
                 return
-            try:
-                await asyncio.wait_for(self._changed.wait(), idle)
-            except TimeoutError:
-                raise Idle() from None
+            # TimeoutError past ``idle`` without new output: the caller ends the stream
+            await asyncio.wait_for(self._changed.wait(), idle)
 
     def _reached(self, offset: int) -> None:
         if offset > self._read_to:
@@ -202,13 +197,14 @@ class Proc:
 
     async def write_stdin(self, offset: int, data: bytes, eof: bool) -> None:
         """Write ``data`` at ``offset`` of its stdin (bytes before what was written are a
-        retry, and skipped), then EOF if asked. A gap is FAILED_PRECONDITION's case: the
-        caller raises it from :class:`StdinGap`."""
+        retry, and skipped), then EOF if asked; a gap, or a write over the bound, is a
+        refusal (409, 413)."""
         if len(data) > self._stdin_cap:
-            raise StdinTooLarge(len(data), self._stdin_cap)
+            raise _errors.refusal(413, f"one stdin write of {len(data)} bytes; at most "
+                                       f"{self._stdin_cap} (modal_stdin_bytes)")
         async with self._stdin_lock:
             if offset > self.stdin_offset:
-                raise StdinGap(offset, self.stdin_offset)
+                raise _gap(offset, self.stdin_offset)
             data = data[self.stdin_offset - offset:]
             try:
                 if data and not self.stdin_closed:
@@ -265,7 +261,7 @@ class Collecting(Finished):
     async def write_stdin(self, offset: int, data: bytes, eof: bool) -> None:
         async with self._stdin_lock:
             if offset > self.stdin_offset:
-                raise StdinGap(offset, self.stdin_offset)
+                raise _gap(offset, self.stdin_offset)
             data = data[self.stdin_offset - offset:]
             if self.stdin_closed:
                 return
@@ -292,11 +288,6 @@ async def _no_call(_: Any) -> Any:
     raise AssertionError("a finished process calls no host")
 
 
-class StdinGap(Exception):
-    def __init__(self, offset: int, have: int) -> None:
-        super().__init__(f"stdin written at offset {offset}, but only {have} bytes arrived")
-
-
-class StdinTooLarge(Exception):
-    def __init__(self, size: int, cap: int) -> None:
-        super().__init__(f"one stdin write of {size} bytes; at most {cap} (modal_stdin_bytes)")
+def _gap(offset: int, have: int) -> Exception:
+    return _errors.refusal(409, f"stdin written at offset {offset}, but only {have} bytes "
+                                "arrived")

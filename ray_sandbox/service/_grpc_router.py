@@ -25,7 +25,7 @@ from ._config import ServiceConfig
 from ._grpc import Call, invalid, not_found, unimplemented
 from ._grpc_control import Control, egress_of
 from ._grpc_images import SNAPSHOT_PREFIX
-from ._grpc_procs import Collecting, Finished, Idle, Proc, StdinGap, StdinTooLarge, fs_error
+from ._grpc_procs import Collecting, Finished, Proc, fs_error
 from ._grpc_sandboxes import WireSandbox, api_id_of
 from ._kept import FS_IMAGE_SCHEME
 from ._sandboxes import Sandboxes
@@ -116,7 +116,7 @@ class Router:
         try:
             async for _, data in out.read(req.offset, self._config.modal_stream_idle_seconds):
                 yield tcr.TaskExecStdioReadResponse(data=data)
-        except Idle:
+        except TimeoutError:  # no output for the idle bound
             raise _idle() from None
 
     async def TaskExecStdinWrite(self, call: Call, req: tcr.TaskExecStdinWriteRequest) -> Any:
@@ -170,7 +170,7 @@ class Router:
         try:
             async for start, data in out.read(req.offset, idle):
                 yield tcr.SandboxStdioReadV2Response(data=data, starting_offset=start)
-        except Idle:
+        except TimeoutError:  # no output for the idle bound
             raise _idle() from None
 
     async def SandboxStdinWriteV2(self, call: Call, req: tcr.SandboxStdinWriteV2Request) -> Any:
@@ -324,10 +324,4 @@ def _idle() -> GRPCError:
 
 
 async def _stdin(proc: Proc, offset: int, data: bytes, eof: bool) -> None:
-    try:
-        await proc.write_stdin(offset, data, eof)
-    except StdinGap as exc:
-        raise GRPCError(Status.FAILED_PRECONDITION, str(exc)) from None
-    except StdinTooLarge as exc:
-        raise GRPCError(Status.RESOURCE_EXHAUSTED, str(exc)) from None
-
+    await proc.write_stdin(offset, data, eof)  # its refusals map to their statuses (_grpc)
