@@ -86,7 +86,7 @@ want=$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   log "installing ray_sandbox and its dev dependencies into $VENV"
   "$VENV/bin/python" -m pip install -q --upgrade pip
-  "$VENV/bin/python" -m pip install -q -e "$ROOT[dev,ray,mcp,service]"
+  "$VENV/bin/python" -m pip install -q -e "$ROOT[dev,ray,mcp,service,modal]"
   echo "$want" > "$stamp"
 fi
 # Harbor needs Python >= 3.12 and stays out of the core venv. Debian 12 ships only 3.11, so
@@ -107,7 +107,9 @@ if [ -n "$harbor_py" ]; then
   if [ "$(cat "$hstamp" 2>/dev/null)" != "$want" ]; then
     log "installing ray_sandbox[harbor] into $HARBOR_VENV ($("$harbor_py" -V 2>&1))"
     "$HARBOR_VENV/bin/python" -m pip install -q --upgrade pip
-    "$HARBOR_VENV/bin/python" -m pip install -q -e "$ROOT[harbor]"
+    # harbor[modal]: Harbor's own modal environment, run against `serve --modal-port`
+    "$HARBOR_VENV/bin/python" -m pip install -q -e "$ROOT[harbor,modal]" \
+      "harbor[modal]>=0.26,<0.27"
     echo "$want" > "$hstamp"
   fi
 else

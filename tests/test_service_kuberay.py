@@ -34,6 +34,11 @@ def serve_config() -> dict:
     return yaml.safe_load(rayservice()["spec"]["serveConfigV2"])
 
 
+def app_args() -> dict:
+    (app,) = serve_config()["applications"]
+    return app["args"]
+
+
 @needs_crd
 def test_rayservice_matches_the_crd_schema_and_uses_no_cel_fields():
     doc = rayservice()
@@ -74,6 +79,7 @@ def test_its_cluster_is_raycluster_yaml_plus_the_api_port_tokens_and_books():
     head = cluster["headGroupSpec"]["template"]["spec"]["containers"][0]
     port = serve_config()["http_options"]["port"]
     head["ports"].remove({"containerPort": port, "name": "serve"})
+    head["ports"].remove({"containerPort": app_args()["modal_port"], "name": "modal"})
     assert cluster == manifest("raycluster.yaml")["spec"]
 
 
@@ -89,3 +95,4 @@ def test_its_serve_config_builds_the_app(monkeypatch):
     (config,) = built._bound_deployment.init_args
     assert isinstance(config, ServiceConfig) and set(config.tokens) == {"team-a", "team-b"}
     assert config.quota("team-a").sandboxes == 50
+    assert (config.modal_port, config.modal_host) == (50051, "0.0.0.0")

@@ -75,6 +75,21 @@ def serve(
     delete_after: Annotated[float | None, typer.Option(
         min=0, help="with --reconcile: delete the orphans found that are older than this "
         "many seconds")] = None,
+    modal_port: Annotated[int | None, typer.Option(
+        help="also serve Modal's gRPC API on this port: unmodified `modal` scripts run with "
+             "MODAL_SERVER_URL=http://HOST:PORT, MODAL_TOKEN_ID=<tenant>, "
+             "MODAL_TOKEN_SECRET=<its token> (docs/modal.md; needs ray_sandbox[modal])")
+    ] = None,
+    modal_image_alias: Annotated[list[str], typer.Option(
+        help="IMAGE=OTHER: a Modal script's image booted as another, e.g. "
+             "python:3.12-slim=ray-sandbox/python:3.13 (offline); repeatable")
+    ] = [],  # noqa: B006 - typer reads the default
+    modal_url: Annotated[str | None, typer.Option(
+        help="where Modal's clients reach --modal-port (scheme://host:port), handed out as "
+             "the sandboxes' command router (default: the host each client named)")] = None,
+    modal_tunnel_port: Annotated[int | None, typer.Option(
+        help="port of the TLS ingress serving <label>.SUFFIX, for Modal's tunnels "
+             "(default 443)")] = None,
 ) -> None:
     """Serve sandboxes over HTTP (/api/v1) on Ray Serve. Tokens: RAY_SANDBOX_API_TOKEN (one
     tenant), RAY_SANDBOX_API_TOKENS=tenant=token,... or --tokens-file. --tokens-file,
@@ -93,12 +108,27 @@ def serve(
         _refuse("no API token: give one with RAY_SANDBOX_API_TOKEN=TOKEN (one tenant), "
                 "RAY_SANDBOX_API_TOKENS=TENANT=TOKEN,... or --tokens-file FILE (one "
                 "TENANT=TOKEN a line; also RAY_SANDBOX_API_TOKENS_FILE)")
+    aliases = {}
+    for item in modal_image_alias:
+        image, eq, other = item.partition("=")
+        if not eq or not image.strip() or not other.strip():
+            _refuse(f"--modal-image-alias takes IMAGE=OTHER, got {item!r}")
+        aliases[image.strip()] = other.strip()
     if delete_after is not None and not reconcile:
         _refuse("--delete-after is for --reconcile")
     given: dict[str, Any] = {"max_file_bytes": max_file_bytes, "audit_log": audit_log,
                              "num_replicas": replicas, "public_url": public_url,
-                             "port_host_suffix": port_host_suffix, "state_db": state_db}
+                             "port_host_suffix": port_host_suffix, "state_db": state_db,
+                             "modal_port": modal_port, "modal_url": modal_url,
+                             "modal_tunnel_port": modal_tunnel_port,
+                             "modal_image_aliases": aliases or None}
     settings = {k: v for k, v in given.items() if v is not None}
+    if modal_port is not None:
+        try:
+            import modal_proto.api_grpc  # noqa: F401 - the [modal] extra is there
+        except ImportError:
+            _refuse("--modal-port needs Modal's protocol definitions: pip install "
+                    "'ray_sandbox[modal]'")
     try:
         config = from_env(tokens_file=tokens_file, quotas=tuple(quota),
                           policy_file=tenant_policy, **settings)
@@ -110,6 +140,10 @@ def serve(
     ray.init(address=address, log_to_driver=False)
     url = start(config, host, port)
     err.print(f"serving {url} for tenants {', '.join(sorted(config.tokens))}", soft_wrap=True)
+    if config.modal_port is not None:
+        err.print(f"Modal's API: MODAL_SERVER_URL=http://{host}:{config.modal_port} "
+                  "MODAL_TOKEN_ID=<tenant> MODAL_TOKEN_SECRET=<its token>", soft_wrap=True,
+                  markup=False, highlight=False)
     join = ray.get_runtime_context().gcs_address
     err.print(f'Ray scripts (ray_sandbox, its Modal facade) join this cluster with '
               f'ray.init(address="{join}")', soft_wrap=True, markup=False, highlight=False)

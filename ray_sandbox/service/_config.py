@@ -110,6 +110,48 @@ class ServiceConfig(BaseModel):
                     "its whole origin, so absolute links and redirects work")
     served_at: str | None = Field(None, description="set by `start`: where its proxy listens; "
                                   "port URLs for Ray callers use it without public_url")
+    # Modal's gRPC API (service/_grpc*.py, docs/modal.md): off unless modal_port is set
+    modal_port: int | None = Field(None, ge=1, le=65535, description="also serve the gRPC "
+                                   "API of Modal's client on this port (the [modal] extra)")
+    modal_host: str = Field("127.0.0.1", description="the address modal_port binds")
+    modal_url: str | None = Field(None, pattern=r"^(http|https)://[^/?#]+$",
+                                  description="where Modal's clients reach modal_port "
+                                  "(scheme://host:port), handed out as the sandboxes' "
+                                  "command router; default http://<the host the client "
+                                  "named>:<modal_port>")
+    modal_image_aliases: dict[str, str] = Field(
+        default_factory=dict, description="image a Modal script names -> image booted "
+        "instead (python:3.12-slim -> ray-sandbox/python:3.13): unmodified scripts offline")
+    modal_max_message_bytes: int = Field(4 << 20, gt=0, description="one gRPC request "
+                                         "message")
+    modal_max_streams_per_tenant: int = Field(512, gt=0, description="a tenant's open gRPC "
+                                              "streams and long polls (output reads, stdin, "
+                                              "joins, waits), per replica")
+    modal_stdin_bytes: int = Field(4 << 20, gt=0, description="one stdin write of a "
+                                   "command (one in flight per command)")
+    modal_output_bytes: int = Field(4 << 20, gt=0, description="output of one command's "
+                                    "stream kept unread; past it the command's host buffers")
+    modal_stream_idle_seconds: float = Field(300.0, gt=0, description="an output stream "
+                                             "with nothing to send ends (the client reads "
+                                             "again)")
+    modal_create_wait: float = Field(30.0, ge=0, description="how long Sandbox.create waits "
+                                     "for the sandbox to run before the client polls")
+    modal_tunnel_port: int = Field(443, ge=1, le=65535, description="the port of the TLS "
+                                   "ingress serving <label>.<port_host_suffix> (Modal's "
+                                   "Tunnel.url is https://host[:port])")
+    modal_tunnel_plain_port: int | None = Field(None, ge=1, le=65535, description="the "
+                                                "plain-HTTP port of the same names, for "
+                                                "unencrypted_ports (default: "
+                                                "modal_tunnel_port)")
+    modal_volume_size: int = Field(4 << 30, gt=0, description="a volume Modal's client "
+                                   "makes (from_name(create_if_missing), ephemeral)")
+    modal_build_threads: int = Field(2, gt=0, description="image builds at once (replica)")
+    modal_build_timeout: float = Field(1800.0, gt=0, description="one image build")
+
+    @field_validator("modal_volume_size", mode="before")
+    @classmethod
+    def _volume_size(cls, v: object) -> object:
+        return parse_size(v) if isinstance(v, str) else v
 
     @field_validator("state_db")
     @classmethod

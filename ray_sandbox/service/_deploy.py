@@ -29,6 +29,16 @@ class SandboxService:
         self._config = config
         self._sandboxes = Sandboxes(config, connect(config, app))
         self._app = build_app(config, self._sandboxes)
+        self._modal = None
+        if config.modal_port is not None:  # Modal's gRPC API beside HTTP, same Sandboxes
+            from . import _grpc_serve  # the optional [modal] extra
+
+            self._modal = _grpc_serve.serve(config, self._sandboxes)
+
+    def __del__(self) -> None:
+        modal = getattr(self, "_modal", None)
+        if modal is not None:
+            modal.close()
 
     def __serve_build_asgi_app__(self) -> Any:
         return self._app
@@ -55,7 +65,8 @@ class SandboxService:
 def application(config: ServiceConfig) -> Any:
     """The Serve application, for ``serve.run`` (or a RayService's import path)."""
     options: dict[str, Any] = {"num_cpus": 0}  # sandboxes reserve their own CPUs
-    if config.num_replicas == 1 and on_head(config):  # it holds the books' SQLite file
+    if config.modal_port is not None or (config.num_replicas == 1 and on_head(config)):
+        # the books' SQLite file, and Modal's gRPC port (docs/modal.md), are the head's
         options["resources"] = HEAD
     more: dict[str, Any] = {}
     if config.max_replicas_per_node:
@@ -72,10 +83,12 @@ def application(config: ServiceConfig) -> Any:
 
 def start(config: ServiceConfig, host: str = "127.0.0.1", port: int = 8000) -> str:
     """Start Serve's proxy on ``host:port`` and deploy the service (on the connected Ray
-    cluster); returns its base URL."""
+    cluster); returns its base URL. With ``modal_port`` Modal's gRPC API binds ``host``
+    too."""
     reach = ray.util.get_node_ip_address() if host in ("0.0.0.0", "::") else host
     reach = f"[{reach}]" if ":" in reach else reach  # an IPv6 address
-    config = config.model_copy(update={"served_at": f"http://{reach}:{port}"})
+    config = config.model_copy(update={"served_at": f"http://{reach}:{port}",
+                                       "modal_host": host})
     serve.start(http_options={"host": host, "port": port})
     serve.run(application(config), name=APP_NAME, route_prefix="/", blocking=False)
     return f"http://{host}:{port}{PREFIX}"

@@ -36,7 +36,7 @@ from ray.exceptions import RayActorError
 from .. import actor
 from ..actor.hosts import host_for_node
 from ..actor.placement import node_alive
-from ..runtime.config import SandboxConfig
+from ..runtime.config import EgressPolicy, PullNetwork, SandboxConfig
 from ..runtime.errors import CapacityError, SandboxError, SandboxNotFoundError
 from ..runtime.results import ExecResult, SandboxState
 from ..runtime.verbs import ExecRequest, NoRequest
@@ -358,14 +358,19 @@ class Sandboxes:
 
     # --- create, status, list, delete ------------------------------------------------------
 
-    async def create(self, tenant: str, body: SandboxConfig) -> Entry:
+    async def create(self, tenant: str, body: SandboxConfig,
+                     built: tuple[str, str, str] | None = None) -> Entry:
         """Start a create of what the tenant asked (held to its policy) and return its
         entry (status pending) without waiting for it. With a ``client_token`` (a
         CreateSandbox's), the tenant's create with the same token within
-        ``client_token_seconds`` is returned instead (409 if its body differed)."""
+        ``client_token_seconds`` is returned instead (409 if its body differed).
+        ``built`` is an image an ingress built for this tenant from ``body.image``
+        (``(reference on the node, node id, name shown)``: Modal's image steps,
+        ``_grpc_images``): the policy holds the create to ``body.image``, then it boots the
+        build, on its node."""
         self._hold_pending(tenant)  # before any await: concurrent creates count at once
         try:
-            entry = await self._start_create(tenant, body)
+            entry = await self._start_create(tenant, body, built)
         except BaseException:
             self._drop_pending(tenant)
             raise
@@ -375,7 +380,8 @@ class Sandboxes:
             entry.creating.add_done_callback(lambda _: self._drop_pending(tenant))
         return entry
 
-    async def _start_create(self, tenant: str, body: SandboxConfig) -> Entry:
+    async def _start_create(self, tenant: str, body: SandboxConfig,
+                            built: tuple[str, str, str] | None = None) -> Entry:
         await self._adopt()
         token = None
         if isinstance(body, CreateSandbox) and body.client_token is not None:
@@ -392,7 +398,11 @@ class Sandboxes:
             given["volumes"] = await self.volumes.mounts(tenant, given["volumes"])
         template = await self._blocking(self._under_policy, tenant, given)
         config, shown = template.config, None
-        if config.image.startswith(FS_IMAGE_SCHEME):
+        if built is not None:  # held to the policy as its base image, then the build
+            ref, node, shown = built
+            config = config.model_copy(update={"image": ref})
+            template = template.model_copy(update={"node_id": node})
+        elif config.image.startswith(FS_IMAGE_SCHEME):
             shown = config.image
             config = config.model_copy(
                 update={"image": await self.kept.fs_image_ref(tenant, config.image)})
@@ -426,6 +436,31 @@ class Sandboxes:
         known = self._entries.get(api_id)
         charge = known.charge if known is not None and known.tenant == tenant else Charge(0, 0)
         return Entry(api_id, tenant, charge, "", {}, None, token_answer=True)
+
+    async def check_image(self, tenant: str, image: str) -> PullNetwork:
+        """400 unless the tenant's policy lets it boot ``image`` (before an ingress pulls
+        or builds on it); the network its pull must use (``pull_network``)."""
+        template = await self._blocking(self._under_policy, tenant, {"image": image})
+        return template.config.pull_network
+
+    async def held_egress(self, tenant: str, network: str,
+                          egress: dict[str, Any]) -> EgressPolicy:
+        """``egress`` for a running sandbox on ``network``, held to the tenant's policy as
+        at create (the cluster's nodes denied): an ingress changing it at runtime."""
+        template = await self._blocking(self._under_policy, tenant,
+                                        {"network": network, "egress": egress})
+        assert template.config.egress is not None
+        return template.config.egress
+
+    async def count_exec(self, tenant: str, api_id: str, key: str) -> None:
+        """Count a command an ingress runs among the tenant's running execs (the books,
+        across replicas: ``max_running_execs_per_tenant``); 429 past it."""
+        reason = await self._state("stream_started", tenant, api_id, key, key)
+        if reason is not None:
+            raise _errors.refusal(429, reason)
+
+    def uncount_exec(self, api_id: str, key: str) -> None:
+        self._report("stream_ended", api_id, key)
 
     def _under_policy(self, tenant: str, given: dict[str, Any]) -> actor.SandboxTemplate:
         """What the tenant asked, held to its policy and made once, with the Ray layer's
