@@ -76,6 +76,25 @@ def framework_venv(name: str, requirements: list[str], extras: str = "ray") -> P
     return venv
 
 
+def package_dir(name: str, requirements: list[str]) -> Path:
+    """``requirements`` alone (no dependencies) in a directory for sys.path, built once
+    under RAY_SANDBOX_HEAVY=1 like :func:`framework_venv`."""
+    key = hashlib.sha256(json.dumps([sys.version, requirements]).encode()).hexdigest()[:12]
+    target = VENVS / f"{name}-{key}"
+    if (target / "READY").exists():
+        return target
+    if not HEAVY:
+        pytest.skip(f"{' '.join(requirements)} is not fetched: RAY_SANDBOX_HEAVY=1 fetches it")
+    VENVS.mkdir(parents=True, exist_ok=True)
+    with open(VENVS / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / "READY").exists():
+            subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                            "--target", str(target), *requirements], check=True, timeout=600)
+            (target / "READY").write_text(" ".join(requirements))
+    return target
+
+
 def run_in_venv(venv: Path, script: str, *args: str, env: dict[str, str],
                 timeout: float = 300) -> dict:
     """Run ``script`` with the venv's Python in its own process group; returns the JSON it
@@ -212,4 +231,215 @@ def test_minisweagent_agent_solves_a_task_in_our_environment(ray_cluster, ray_ho
     assert out["dead"]["returncode"] == -1
     assert out["dead"]["extra"]["exception_type"] == "SandboxNotFoundError", out["dead"]
     assert out["after_cleanup"]["returncode"] == -1
+    assert_no_leftovers(ray_home)
+
+
+# --- veRL uni-agent (not on PyPI) -------------------------------------------------------------
+
+UNI_AGENT_SRC = "RAY_SANDBOX_UNI_AGENT_SRC"
+
+
+def fetch(url: str, attempts: int = 40) -> bytes:
+    """GET ``url``, waiting (bounded) for its server to come up."""
+    for i in range(attempts):
+        try:
+            with urllib.request.urlopen(url, timeout=10) as r:
+                return r.read()
+        except OSError:
+            if i == attempts - 1:
+                raise
+            time.sleep(0.25)
+    raise AssertionError("unreachable")
+
+
+def test_uni_agent_provider_runs_commands_files_and_a_port(ray_cluster, ray_home, default_image,
+                                                          tmp_path):
+    checkout(UNI_AGENT_SRC, "uni_agent")
+    from uni_agent.sandbox import SandboxBackend, SandboxConfig, build_sandbox
+
+    from ray_sandbox.integrations import uni_agent as ours
+
+    port = free_port()
+    sb = build_sandbox(SandboxConfig(provider="ray_sandbox", image=IMAGE, runtime_timeout=600,
+                                     sandbox_kwargs={"network": "sandbox",
+                                                     "expose_ports": [port]}))
+    assert isinstance(sb, ours.RaySandbox) and isinstance(sb, SandboxBackend)
+    assert sb.config.ttl_seconds == 600
+
+    async def main() -> None:
+        async with sb:  # uni-agent's own lifecycle: start (with its retries), then stop
+            r = await sb.exec_shell("echo $X; pwd; echo e >&2; exit 3", workdir="/tmp",
+                                    env={"X": "y"})
+            assert (r.exit_code, r.stdout, r.stderr) == (3, "y\n/tmp\n", "e\n")
+            t = await sb.exec(["sh", "-c", "echo early; sleep 60"], timeout=1)
+            assert (t.exit_code, t.stdout) == (-1, "early\n") and "timed out" in t.stderr
+            data = bytes(range(256)) * 4
+            await sb.write_file("/srv/d/blob.bin", data)
+            assert await sb.read_file("/srv/d/blob.bin") == data
+            with pytest.raises(SandboxFileNotFoundError):  # a FileNotFoundError, as local's
+                await sb.read_file("/srv/none")
+            (tmp_path / "up" / "sub").mkdir(parents=True)
+            (tmp_path / "up" / "sub" / "f.txt").write_text("hello")
+            await sb.upload(tmp_path / "up", "/srv/up")
+            await sb.download("/srv/up", tmp_path / "down")
+            await sb.download("/srv/d/blob.bin", tmp_path / "blob.bin")
+            assert (tmp_path / "down" / "sub" / "f.txt").read_text() == "hello"
+            assert (tmp_path / "blob.bin").read_bytes() == data
+
+            # forked before the port serves: gVisor cannot save an open TCP connection
+            (copy,) = await sb.fork(1)
+            try:
+                assert await copy.read_file("/srv/d/blob.bin") == data
+                ray_cluster.get(copy.box.handle.terminate.remote())  # dies under uni-agent
+                assert not await copy.is_alive()
+                with pytest.raises(SandboxNotFoundError):  # exec re-raises when not alive
+                    await copy.exec(["true"])
+            finally:
+                await copy.stop()
+
+            await sb.exec_shell(f"cd /srv && (setsid python3 -m http.server {port} "
+                                ">/dev/null 2>&1 &)")
+            url = await sb.expose_port(port)
+            assert fetch(f"{url}/d/blob.bin") == data
+            with pytest.raises(ConfigError):
+                await sb.expose_port(port + 1)
+        assert not await sb.is_alive()
+
+    asyncio.run(main())
+    assert_no_leftovers(ray_home)
+
+
+# --- rLLM (not on PyPI) -------------------------------------------------------------------------
+
+RLLM_SRC = "RAY_SANDBOX_RLLM_SRC"
+
+
+def harbor_style_task(root: Path) -> Path:
+    task = root / "t1"
+    (task / "solution").mkdir(parents=True)
+    (task / "tests").mkdir()
+    (task / "solution" / "solve.sh").write_text("#!/bin/sh\necho solved > answer.txt\n"
+                                                "echo done\n")
+    (task / "tests" / "test.sh").write_text(
+        '#!/bin/sh\nif [ "$(cat /app/answer.txt)" = solved ]; then echo 1; else echo 0; fi'
+        " > /logs/verifier/reward.txt\n")
+    return task
+
+
+def test_rllm_sandboxed_flow_runs_on_ours(ray_cluster, ray_home, default_image, tmp_path):
+    checkout(RLLM_SRC, "rllm")
+    from rllm.eval.script_evaluator import ShellScriptEvaluator
+    from rllm.harnesses.oracle import OracleHarness
+    from rllm.sandbox import sandboxed_flow
+    from rllm.sandbox.protocol import Sandbox, _safe_exec
+    from rllm.types import AgentConfig, Task
+
+    from ray_sandbox.integrations import rllm as ours
+
+    ours.install(max_output_bytes=4096)
+    ours.install()  # idempotent
+    with pytest.raises(ValueError, match="Unknown sandbox backend"):  # other names: rLLM's
+        sandboxed_flow.create_sandbox("nope", name="x", image=IMAGE)
+    sb = sandboxed_flow.create_sandbox("ray_sandbox", name="rllm-t1", image=IMAGE)
+    assert isinstance(sb, ours.RLLMSandbox) and isinstance(sb, Sandbox)
+    task = Task(id="t1", instruction="write solved to /app/answer.txt",
+                metadata={"workdir": "/app"}, dataset_dir=tmp_path,
+                sub_dir=harbor_style_task(tmp_path).relative_to(tmp_path))
+    copies = []
+    try:
+        sb.exec("mkdir -p /app")
+        config = AgentConfig(base_url="http://127.0.0.1:9/v1", model="none", session_uid="s")
+        episode = OracleHarness().run(task, config, env=sb)  # rLLM's no-LLM flow
+        assert "done" in episode.model_dump_json()
+        # branch after the rollout: one copy keeps the answer, the other breaks it
+        copies = good, bad = sb.fork(2)
+        bad.exec("echo wrong > /app/answer.txt")
+        rewards = [ShellScriptEvaluator(s).evaluate(task, episode).reward
+                   for s in (good, bad, sb)]
+        assert rewards == [1.0, 0.0, 1.0]
+
+        with pytest.raises(RuntimeError, match=r"Command failed \(exit 3\)"):
+            sb.exec("echo oops >&2; exit 3")
+        assert "oops" in _safe_exec(sb, "echo oops >&2; exit 3")  # rLLM's own catch
+        with pytest.raises(RuntimeError, match="timed out"):
+            sb.exec("sleep 60", timeout=1)
+        assert sb.exec("id -u", user="65534") == "65534\n"
+        assert sb.exec("head -c 100000 /dev/zero | tr '\\0' a") == "a" * 4096
+        ray_cluster.get(bad._require().handle.terminate.remote())  # dies under rLLM
+        assert not bad.is_alive()
+        with pytest.raises(SandboxNotFoundError):
+            bad.exec("true")
+    finally:
+        for s in (*copies, sb):
+            s.close()  # rLLM's cleanup path; closing twice is a no-op
+        sb.close()
+    assert not sb.is_alive()
+    assert_no_leftovers(ray_home)
+
+
+# --- open-instruct (not on PyPI) ----------------------------------------------------------------
+
+OPEN_INSTRUCT_SRC = "RAY_SANDBOX_OPEN_INSTRUCT_SRC"
+
+
+def open_instruct_backends(src: Path):
+    """open-instruct's real ``environments/backends.py``. The package's ``__init__`` imports
+    the GPU stack (torch, vllm-side modules), so the subpackage is entered without it; the
+    module's own dependency, Docker's SDK, must be importable."""
+    target = package_dir("docker-sdk", ["docker==7.1.0"])  # its deps are the test venv's
+    if str(target) not in sys.path:
+        sys.path.insert(0, str(target))
+    import open_instruct
+
+    name = "open_instruct.environments"
+    if name not in sys.modules:
+        pkg = types.ModuleType(name)
+        pkg.__path__ = [str(src / "open_instruct" / "environments")]
+        sys.modules[name] = pkg
+        open_instruct.environments = pkg
+    from open_instruct.environments import backends
+
+    return backends
+
+
+def test_open_instruct_backend_contract(ray_cluster, ray_home, default_image):
+    backends = open_instruct_backends(checkout(OPEN_INSTRUCT_SRC, "open_instruct"))
+    from ray_sandbox.integrations import open_instruct as ours
+
+    ours.install()
+    b = backends.create_backend("ray_sandbox", image=IMAGE, timeout=2, mem_limit="512m")
+    assert isinstance(b, backends.SandboxBackend)
+    assert b.config.memory == 512 * 2**20
+    with pytest.raises(RuntimeError, match="not started"):
+        b.run_command("true")
+    with pytest.raises(ValueError, match="Unknown backend type"):  # other names: theirs
+        backends.create_backend("nope")
+    b.start()
+    copy = None
+    try:
+        r = b.run_command("echo out; echo err >&2; exit 4")
+        assert isinstance(r, backends.ExecutionResult)
+        assert (r.stdout, r.stderr, r.exit_code) == ("out\n", "err\n", 4)
+        t = b.run_command("echo partial; sleep 60")
+        assert (t.exit_code, t.stdout) == (124, "partial\n")
+        assert t.stderr.startswith("Command timed out after 2s.")
+        h = b.run_command("head -c 1500000 /dev/zero | tr '\\0' a")
+        assert h.exit_code == 0 and h.stdout == "a" * 1_000_000
+        b.write_file("/testbed/input/a.txt", "héllo")
+        assert b.read_file("/testbed/input/a.txt") == "héllo"
+        assert b.read_file("/testbed/input/a.txt", binary=True) == "héllo".encode()
+        with pytest.raises(FileNotFoundError):  # DockerBackend's; ours is one
+            b.read_file("/testbed/none")
+        with pytest.raises(SandboxIsADirectoryError) as err:
+            b.read_file("/testbed")
+        assert isinstance(err.value, IsADirectoryError)  # DockerBackend's
+        (copy,) = b.fork(1)
+        assert copy.read_file("/testbed/input/a.txt") == "héllo"
+        ray_cluster.get(copy._require().handle.terminate.remote())  # dies under it
+        with pytest.raises(SandboxNotFoundError):
+            copy.run_command("true")
+    finally:
+        for x in (copy, b, b):
+            if x is not None:
+                x.close()
     assert_no_leftovers(ray_home)

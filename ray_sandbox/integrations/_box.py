@@ -114,7 +114,10 @@ class RayBox(Box):
         from ..actor import create
 
         join_ray(ray_address)
-        return cls(create(config=config, timeout=timeout))
+        # the fields the adapter set, as options: the rest are Ray's defaults for agent
+        # workloads (a writable root capped by disk=), as over the service
+        options = {k: getattr(config, k) for k in config.model_fields_set}
+        return cls(create(timeout=timeout, **options))
 
     def _get(self, ref: Any, timeout: float | None = None) -> Any:
         import ray
