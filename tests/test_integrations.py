@@ -34,7 +34,7 @@ from ray_sandbox.runtime.errors import (
     SandboxIsADirectoryError,
     SandboxNotFoundError,
 )
-from tests.fx_hostile import HEAVY
+from tests.fx_hostile import HEAVY, heavy
 from tests.fx_runtime import leftovers, leftovers_after_teardown
 
 REPO = Path(__file__).resolve().parent.parent
@@ -446,3 +446,69 @@ def test_open_instruct_backend_contract(ray_cluster, ray_home, default_image):
             if x is not None:
                 x.close()
     assert_no_leftovers(ray_home)
+
+
+# --- SkyRL, through Harbor --------------------------------------------------------------------
+
+# The keys of SkyRL's harbor_trial_config/default.yaml (examples/train_integrations/harbor/ of
+# NovaSky-AI/SkyRL) that reach the environment, with its values; HarborGenerator adds the task.
+SKYRL_DEFAULTS = {
+    "timeout_multiplier": 1.0,
+    "agent": {"name": "oracle", "override_timeout_sec": 120},
+    "environment": {"type": "daytona", "override_cpus": 1, "override_memory_mb": 1024,
+                    "override_storage_mb": 1024, "suppress_override_warnings": True,
+                    "kwargs": {"auto_stop_interval_mins": 30}},
+    "verifier": {"disable": False},
+}
+
+SKYRL_SCRIPT = r"""
+import asyncio, copy, json, sys
+from harbor.models.trial.config import TrialConfig
+from harbor.trial.trial import Trial
+from ray_sandbox.integrations.skyrl import IMPORT_PATH, trial_config
+
+async def main(defaults, task, trials):
+    defaults = json.loads(defaults)
+    defaults["trials_dir"] = trials
+    out = {}
+    # only the import path set, as a command-line override can: the Daytona key is refused
+    unfixed = copy.deepcopy(defaults)
+    unfixed["environment"]["import_path"] = IMPORT_PATH
+    unfixed["task"] = {"path": task}
+    try:
+        await (await Trial.create(TrialConfig.model_validate(unfixed))).run()
+        out["unfixed"] = "accepted"
+    except Exception as exc:
+        out["unfixed"] = f"{type(exc).__name__}: {exc}"
+    config = trial_config(defaults)
+    config["task"] = {"path": task}  # what HarborGenerator does per trajectory
+    result = await (await Trial.create(TrialConfig.model_validate(config))).run()
+    out["rewards"] = result.verifier_result.rewards if result.verifier_result else None
+    out["exception"] = str(result.exception_info) if result.exception_info else None
+    print("RESULT " + json.dumps(out))
+
+asyncio.run(main(*sys.argv[1:]))
+"""
+
+
+@heavy  # ~70 s (a Ray cluster of Harbor's process); tests/test_harbor.py covers the environment
+def test_skyrl_harbor_trial_config_selects_ray_sandbox(pushed_busybox):
+    from ray_sandbox.integrations.skyrl import IMPORT_PATH, trial_config
+    from tests.fx_images import scratch_dir
+    from tests.test_harbor import HARBOR, run_in_harbor_venv, write_task
+
+    if not HARBOR.exists():
+        pytest.skip("Harbor needs Python >= 3.12 and .venv-harbor is not built")
+    config = trial_config(SKYRL_DEFAULTS, network="public")
+    assert config["environment"]["import_path"] == IMPORT_PATH
+    assert config["environment"]["kwargs"] == {"network": "public"}
+    assert SKYRL_DEFAULTS["environment"]["kwargs"] == {"auto_stop_interval_mins": 30}
+    with scratch_dir("rsb-skyrl-") as work:
+        task = write_task(work, pushed_busybox, "127.0.0.1", 9)
+        out = run_in_harbor_venv([str(HARBOR.parent / "python"), "-c", SKYRL_SCRIPT,
+                                  json.dumps(SKYRL_DEFAULTS), str(task), str(work / "trials")],
+                                 work)
+    seen = json.loads(out.split("RESULT ", 1)[1].splitlines()[0])
+    assert "auto_stop_interval_mins" in seen["unfixed"], seen["unfixed"]
+    assert seen["exception"] is None, seen["exception"]
+    assert seen["rewards"] == {"reward": 1.0}
