@@ -209,7 +209,8 @@ class ClientBox(Box):
         return cls(client, client.create(timeout=timeout or 600.0, **body))
 
     def exec(self, request: ExecRequest) -> ExecResult:
-        return self.sandbox.exec(request)
+        options = request.model_dump(exclude={"command"}, exclude_none=True)
+        return self.sandbox.exec(request.command, **options)
 
     def read(self, path: str, max_bytes: int | None) -> bytes:
         data = self.sandbox.read_file(path)  # the service bounds a read itself
@@ -245,7 +246,8 @@ class ClientBox(Box):
         if self.shared is not None:
             for c in copies:
                 c.shared = self.shared.take()
-        return copies
+        boxes: list[Box] = list(copies)
+        return boxes
 
     def snapshot_filesystem(self) -> str:
         return self.sandbox.snapshot_filesystem()
