@@ -102,7 +102,17 @@ def run_in_venv(venv: Path, script: str, *args: str, env: dict[str, str],
                 timeout: float = 300) -> dict:
     """Run ``script`` with the venv's Python in its own process group; returns the JSON it
     printed after ``RESULT``."""
-    proc = subprocess.Popen([str(venv / "bin" / "python"), "-c", script, *args],
+    out = run_output(venv, ["-c", script, *args], env=env, timeout=timeout)
+    line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
+    assert line is not None, out[-6000:]
+    return json.loads(line[len("RESULT "):])
+
+
+def run_output(venv: Path, argv: list[str], *, env: dict[str, str], timeout: float = 300
+               ) -> str:
+    """The output of the venv's Python with ``argv``, run in its own process group; it must
+    succeed."""
+    proc = subprocess.Popen([str(venv / "bin" / "python"), *argv],
                             env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -113,9 +123,7 @@ def run_in_venv(venv: Path, script: str, *args: str, env: dict[str, str],
             os.killpg(proc.pid, signal.SIGKILL)  # the group this test started
             proc.wait()
     assert proc.returncode == 0, out[-6000:]
-    line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
-    assert line is not None, out[-6000:]
-    return json.loads(line[len("RESULT "):])
+    return out
 
 
 def ray_env(ray) -> dict[str, str]:
@@ -234,6 +242,15 @@ def test_minisweagent_agent_solves_a_task_in_our_environment(ray_cluster, ray_ho
     assert out["dead"]["returncode"] == -1
     assert out["dead"]["extra"]["exception_type"] == "SandboxNotFoundError", out["dead"]
     assert out["after_cleanup"]["returncode"] == -1
+    assert_no_leftovers(ray_home)
+
+
+def test_minisweagent_branching_example(ray_cluster, ray_home, mini_venv, default_image):
+    out = run_output(mini_venv, [str(REPO / "examples" / "minisweagent_branching.py")],
+                     env=ray_env(ray_cluster))
+    rewards = [line.rsplit(" ", 1)[1] for line in out.splitlines()
+               if line.startswith("branch ")]
+    assert rewards == ["1.0", "0.0", "0.0", "1.0"], out[-3000:]
     assert_no_leftovers(ray_home)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.fx_service import TOKENS, Service
-from tests.test_integrations import IMAGE, framework_venv, run_in_venv
+from tests.test_integrations import IMAGE, REPO, framework_venv, run_in_venv, run_output
 
 # 0.6.1, the newest, needs tml-renderers>=0.4.1, which PyPI does not have; torch's CPU build
 # keeps the venv ~1.6 GB instead of ~6 GB of CUDA wheels
@@ -101,4 +101,15 @@ def test_tinker_cookbook_grades_rollouts_through_the_service(service: Service, t
     assert (out["written"], out["ran"]) == (0, "ran\n")
     assert out["dead"] == ["SandboxTerminatedError", "SandboxTerminatedError"]
     with service.client() as c:  # everything the run made is gone
+        assert c.get("/sandboxes").json()["sandboxes"] == []
+
+
+def test_tinker_cookbook_grading_example(service: Service, tinker_venv, default_image):
+    out = run_output(tinker_venv, [str(REPO / "examples" / "tinker_cookbook_grading.py")],
+                     env={"RAY_SANDBOX_URL": service.url,
+                          "RAY_SANDBOX_API_TOKEN": TOKENS["alice"]})
+    rewards = [line.rsplit(" ", 1)[1] for line in out.splitlines()
+               if line.startswith("rollout ")]
+    assert rewards == ["1.0", "0.0", "0.0", "1.0"], out[-3000:]
+    with service.client() as c:
         assert c.get("/sandboxes").json()["sandboxes"] == []
