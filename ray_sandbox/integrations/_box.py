@@ -103,9 +103,10 @@ def join_ray(address: str | None = None) -> None:
 class RayBox(Box):
     """A sandbox placed by Ray (``ray_sandbox.create``)."""
 
-    def __init__(self, handle: Any) -> None:
+    def __init__(self, handle: Any, timeout: float | None = None) -> None:
         self.handle = handle
         self.sandbox_id: str = handle.sandbox_id
+        self.timeout = timeout  # how long a create or a fork may wait for room
         self._closed = False
 
     @classmethod
@@ -117,7 +118,7 @@ class RayBox(Box):
         # the fields the adapter set, as options: the rest are Ray's defaults for agent
         # workloads (a writable root capped by disk=), as over the service
         options = {k: getattr(config, k) for k in config.model_fields_set}
-        return cls(create(timeout=timeout, **options))
+        return cls(create(timeout=timeout, **options), timeout)
 
     def _get(self, ref: Any, timeout: float | None = None) -> Any:
         import ray
@@ -161,7 +162,7 @@ class RayBox(Box):
         return f"http://{_node_address(self.handle.node_id)}:{port}"
 
     def fork(self, k: int) -> list[Box]:
-        return [RayBox(h) for h in self.handle.fork(k)]
+        return [RayBox(h, self.timeout) for h in self.handle.fork(k, timeout=self.timeout)]
 
     def snapshot_filesystem(self) -> str:
         ref: str = self._get(self.handle.snapshot_filesystem.remote())
@@ -312,9 +313,10 @@ class Transport(BaseModel):
     service_url: str | None = Field(None, description="the ray_sandbox service (docs/"
                                     "service.md); default $RAY_SANDBOX_URL, else Ray")
     ray_address: str | None = Field(None, description="Ray cluster to join; default "
-                                    "$RAY_ADDRESS, else a local one")
-    create_timeout: float | None = Field(None, gt=0, description="seconds a create may wait "
-                                         "for room (Ray: forever by default; service: 600)")
+                                    "$RAY_ADDRESS, else ray.init()'s own choice")
+    create_timeout: float | None = Field(
+        None, gt=0, description="seconds a create (through Ray also a fork) may wait for "
+        "room (Ray: forever by default; service: 600)")
 
     def open(self, config: SandboxConfig) -> Box:
         """A new sandbox of ``config``."""
