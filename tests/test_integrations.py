@@ -46,15 +46,16 @@ MINI_SWE_AGENT = "mini-swe-agent==2.4.6"
 
 # --- venvs of released frameworks ----------------------------------------------------------
 
-def framework_venv(name: str, requirements: list[str], extras: str = "ray") -> Path:
-    """A venv holding ``requirements`` from PyPI, this checkout (editable, ``extras``) and,
+def framework_venv(name: str, requirements: list[str], extras: str | None = "ray") -> Path:
+    """A venv holding ``requirements`` from PyPI, this checkout (editable, ``extras``; not at
+    all with None) and,
     with the ``ray`` extra, Ray of the test's version (so its driver joins the test's
     cluster); built once (under RAY_SANDBOX_HEAVY=1) and reused while what it holds is the
     same."""
     import ray
 
-    spec = [*requirements, "-e", f"{REPO}[{extras}]"]
-    if "ray" in extras.split(","):
+    spec = [*requirements, "-e", f"{REPO}[{extras}]"] if extras is not None else requirements
+    if "ray" in (extras or "").split(","):
         spec.append(f"ray[default]=={ray.__version__}")
     key = hashlib.sha256(json.dumps([sys.version, spec]).encode()).hexdigest()[:12]
     venv = VENVS / f"{name}-{key}"
