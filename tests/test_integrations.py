@@ -530,3 +530,32 @@ def test_skyrl_harbor_trial_config_selects_ray_sandbox(pushed_busybox):
     assert "auto_stop_interval_mins" in seen["unfixed"], seen["unfixed"]
     assert seen["exception"] is None, seen["exception"]
     assert seen["rewards"] == {"reward": 1.0}
+
+
+# --- options, before any sandbox -----------------------------------------------------------
+
+def test_adapter_options_are_checked_before_any_sandbox(monkeypatch):
+    from ray_sandbox.integrations._box import Transport, make_config
+    from ray_sandbox.integrations.open_instruct import RaySandboxBackend, docker_size
+    from ray_sandbox.integrations.rllm import RLLMSandbox
+    from ray_sandbox.integrations.skyrl import trial_config
+
+    # a field the framework sets cannot also come from the sandbox options
+    with pytest.raises(ConfigError, match="image"):
+        make_config({"image": "other"}, image=IMAGE)
+    with pytest.raises(ConfigError, match="unknown|invalid"):
+        make_config({"cpus": 1})
+    with pytest.raises(ConfigError, match="invalid"):
+        RLLMSandbox(image=IMAGE, memory="1Mi")
+    # the service needs a token, which only the environment carries
+    monkeypatch.delenv("RAY_SANDBOX_API_TOKEN", raising=False)
+    with pytest.raises(ConfigError, match="RAY_SANDBOX_API_TOKEN"):
+        Transport(service_url="http://127.0.0.1:9").open(make_config({}))
+    # Docker's binary units for open-instruct's mem_limit
+    assert [docker_size(v) for v in ("4g", "512m", "1024", 7)] == [4 << 30, 512 << 20, 1024, 7]
+    with pytest.raises(ConfigError):
+        RaySandboxBackend(mem_limit="4 gigs")
+    # SkyRL's config is rewritten, not changed in place
+    original = {"environment": {"type": "daytona", "kwargs": {"auto_stop_interval_mins": 30}}}
+    assert trial_config(original)["environment"]["kwargs"] == {}
+    assert original["environment"]["kwargs"] == {"auto_stop_interval_mins": 30}
