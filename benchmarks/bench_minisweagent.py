@@ -8,7 +8,8 @@ Each episode is mini-swe-agent's ``DefaultAgent`` with its ``DeterministicModel`
 small bug (write a module and its test, run the test, fix, submit: 4 steps), in a fresh
 environment: for ray_sandbox that is a sandbox created through Ray (the hosts' stock on, as
 by default) and deleted by ``cleanup()``; for ``local`` a fresh temporary directory.
-``--workers`` episodes run at once (threads, as mini-swe-agent's batch runners do). Rows:
+``--workers`` episodes run at once (threads, as mini-swe-agent's batch runners do), each
+sandbox reserving ``--cpu`` cores in Ray (0.5: four fit on two cores). Rows:
 episodes/s over the whole run, and p50/p90 of one step (``env.execute``) and of one episode
 (environment made to cleaned up). Ray runs in a private local cluster and sandbox home.
 """
@@ -90,6 +91,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--episodes", type=int, default=64)
     ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--cpu", type=float, default=0.5,
+                    help="cores each sandbox reserves and may use (Ray queues what does not fit)")
     args = ap.parse_args()
     os.environ.setdefault("MSWEA_SILENT_STARTUP", "1")
 
@@ -108,8 +111,9 @@ def main() -> None:
 
     def sandbox_env() -> Any:
         return RaySandboxEnvironment(image="ray-sandbox/python:latest", cwd="/tmp", env=ENV,
-                                     timeout=30)
+                                     timeout=30, cpu=args.cpu)
 
+    start_load = os.getloadavg()
     home = tempfile.mkdtemp(prefix="bench-mswea-home-")
     os.environ["RAY_SANDBOX_IMAGES"] = str(images())  # the node's image cache
     os.environ["RAY_SANDBOX_HOME"] = home
@@ -124,9 +128,11 @@ def main() -> None:
         ray.shutdown()
         for d in [*dirs, home]:
             shutil.rmtree(d, ignore_errors=True)
-    load = os.getloadavg()
-    emit("minisweagent", rows, notes=f"load average at the end: {load[0]:.2f} {load[1]:.2f} "
-         f"{load[2]:.2f}; {os.cpu_count()} CPUs")
+    end_load = os.getloadavg()
+    emit("minisweagent", rows, notes=(
+        f"load average (1/5/15 min) at the start {' '.join(f'{x:.2f}' for x in start_load)}, "
+        f"at the end {' '.join(f'{x:.2f}' for x in end_load)}; {os.cpu_count()} CPUs; "
+        f"sandboxes of {args.cpu} CPU"))
 
 
 if __name__ == "__main__":
