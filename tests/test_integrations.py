@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+import tomllib
 import types
 import urllib.request
 from pathlib import Path
@@ -57,7 +58,8 @@ def framework_venv(name: str, requirements: list[str], extras: str | None = "ray
     spec = [*requirements, "-e", f"{REPO}[{extras}]"] if extras is not None else requirements
     if "ray" in (extras or "").split(","):
         spec.append(f"ray[default]=={ray.__version__}")
-    key = hashlib.sha256(json.dumps([sys.version, spec]).encode()).hexdigest()[:12]
+    key = hashlib.sha256(json.dumps([sys.version, spec, _declared(extras)]).encode()
+                         ).hexdigest()[:12]
     venv = VENVS / f"{name}-{key}"
     if (venv / "READY").exists():
         return venv
@@ -78,6 +80,15 @@ def framework_venv(name: str, requirements: list[str], extras: str | None = "ray
             pytest.fail(f"pip install {' '.join(spec)} failed:\n{r.stderr[-3000:]}")
         (venv / "READY").write_text(" ".join(spec))
     return venv
+
+
+def _declared(extras: str | None) -> list[str]:
+    """What this checkout's pyproject asks for with ``extras``: a change rebuilds the venv."""
+    if extras is None:
+        return []
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    optional = project.get("optional-dependencies", {})
+    return [*project["dependencies"], *(d for e in extras.split(",") for d in optional.get(e, []))]
 
 
 def package_dir(name: str, requirements: list[str]) -> Path:
