@@ -1,5 +1,6 @@
-"""New sandboxes from snapshots: ``restore`` copies, ``fork`` a running sandbox, ``resume``
-a suspended one. Each copy holds its own Ray reservation, the source's resources.
+"""New sandboxes from snapshots: ``restore`` copies, ``fork`` a running sandbox; and
+``resume`` of a suspended one (its host resumes it, in place or by moving it: suspend.py).
+Each copy holds its own Ray reservation, the source's resources.
 
 Copies come back as :class:`Copy` (id, host, node), not handles, so that the handle module can
 fork through this one.
@@ -14,8 +15,8 @@ import ray
 
 from ..runtime.errors import ConfigError, ImageInUseError, SandboxError, SandboxNotFoundError
 from ..runtime.snapshot import Snapshot
-from .hosts import all_hosts, ask_hosts, call_host, wake_hosts
-from .labels import DETACHED_LABEL, NAME_LABEL, SUSPENDED_LABEL, current_job
+from .hosts import all_hosts, ask_hosts, call_host, host_for_node, wake_hosts
+from .labels import NAME_LABEL, current_job
 from .placement import Placement, check_lifetime, copy_bundle, copy_node, remove_pg, reserve
 
 
@@ -85,22 +86,18 @@ def fork(host: Any, sandbox_id: str, k: int = 1, *, placement: Placement = "loca
 
 
 def resume(key: str, *, placement: Placement = "any", timeout: float | None = None) -> Copy:
-    """The suspended sandbox with id or name ``key``, restored under its old id and name
-    with a new reservation; its snapshot is deleted."""
-    snap = _find_suspended(key)
-    name = snap.labels.get(NAME_LABEL)
-    lifetime = "detached" if snap.labels.get(DETACHED_LABEL) else None  # as it was
-    pg_hex, node = reserve(copy_bundle(snap), node_id=copy_node(snap, placement), name=name,
-                           lifetime=lifetime, timeout=timeout)
-    copy = _restore_on(node, pg_hex, snap, name, snap.labels[SUSPENDED_LABEL], lifetime)
-    delete_snapshot(snap)
-    return copy
-
-
-def _find_suspended(key: str) -> Snapshot:
-    for _, _, snap in ask_hosts("find_suspended", key):
-        if snap is not None:
-            return snap
+    """The suspended sandbox with id or name ``key``, resumed by the host that holds it:
+    on its node when there is room (or ``placement`` says so), else on a node with room,
+    where it moves (same id and name, a new reservation). A sandbox that runs already is
+    returned as it is."""
+    for node, host, sid in ask_hosts("find_suspended", key):
+        if sid is not None:
+            where, name = ray.get(host.wake.remote(sid, placement, timeout))
+            return Copy(sid, host if where == node else host_for_node(where), where, name)
+    for node, host, items in ask_hosts("list", None):
+        for sid, labels in items:
+            if key in (sid, labels.get(NAME_LABEL)):
+                return Copy(sid, host, node, labels.get(NAME_LABEL))
     raise SandboxNotFoundError(f"no suspended sandbox {key!r}")
 
 

@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from . import checkpoint
+from . import checkpoint, reaper
 from .agent.client import AgentClient
 from .bundle import SandboxDir
 from .connections import Connections
@@ -283,6 +283,10 @@ class Suspensions:
         becomes owned here again on its next resume, and one whose resume was cut short by
         a crash loses its half-started container. Returns their ids."""
         ids = self.list()
+        # a resume or suspend its process left running (a restore that would finish, a
+        # checkpoint): nothing of a suspended sandbox may run now
+        reaper.kill_stray_runsc(self._launcher.runsc,
+                                set(self._records.on_disk()) - set(ids))
         for sid in ids:
             rec = self._records.load(sid)
             if rec is None:
