@@ -207,3 +207,24 @@ def _get(url: str) -> str | None:
             return r.read().decode()
     except OSError:
         return None
+
+
+def test_ps_and_doctor_count_suspended_sandboxes_and_their_disk(runtime, busy, rt_home):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cli = str(Path(sys.executable).with_name("ray-sandbox"))
+    env = {**os.environ, "RAY_SANDBOX_HOME": str(rt_home), "COLUMNS": "200"}
+    state = runtime.suspensions.suspend(busy)
+    ps = subprocess.run([cli, "ps", "--json"], env=env, capture_output=True, text=True,
+                        timeout=120)
+    (row,) = [r for r in json.loads(ps.stdout) if r["sandbox_id"] == busy]
+    assert (row["state"], row["suspended_bytes"]) == ("SUSPENDED", state.size_bytes)
+    table = subprocess.run([cli, "ps"], env=env, capture_output=True, text=True, timeout=120)
+    assert "1 suspended," in table.stdout
+    doctor = subprocess.run([cli, "doctor", "--json"], env=env, capture_output=True, text=True,
+                            timeout=300)
+    (check,) = [c for c in json.loads(doctor.stdout)["checks"] if c["name"] == "suspended"]
+    assert check["detail"].startswith("1 sandbox(es) suspended")

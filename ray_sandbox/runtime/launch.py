@@ -270,25 +270,39 @@ class Launcher:
         self._wait_ready(sandbox_id, sdir)
         return self._records.set_phase(rec, "created")
 
-    def resume_in_place(self, rec: SandboxRecord, image: Path, *, detach: bool) -> SandboxRecord:
+    def resume_in_place(self, rec: SandboxRecord, image: Path, *, detach: bool,
+                        timings: dict[str, float] | None = None) -> SandboxRecord:
         """Start a sandbox suspended in place again from its checkpoint ``image``, in its
         own directory: its root overlay, disk, volume binds, network (netns, veth, address,
         published ports, links) and record stayed while it slept, so this is ``runsc
         restore`` and the agent's readiness only. Owned by this process unless ``detach``.
         On failure the half-started container is removed and the checkpoint kept; the
-        caller raises (a retry starts over)."""
+        caller raises (a retry starts over). ``timings`` gets each step's seconds."""
         sandbox_id = rec.sandbox_id
         sdir = self._records.sdir(sandbox_id)
         (sdir.run / checkpoint.HOLD_FILE).unlink(missing_ok=True)  # a suspend cut short
+        steps = timings if timings is not None else {}
+        t = time.perf_counter()
+
+        def step(name: str) -> None:
+            nonlocal t
+            now = time.perf_counter()
+            steps[name] = now - t
+            t = now
+
         try:
             if self.runsc.has_container(sandbox_id):  # a resume that failed or was cut short
                 self.runsc.kill_sandbox(sandbox_id)
                 self.runsc.delete(sandbox_id)
             prefix = network.reattach(sandbox_id, sdir.path)
+            step("network")
             self.runsc.restore_detached(sandbox_id, sdir.bundle, image, rec.runsc_flags,
                                         prefix=prefix, log_dir=sdir.path)
+            step("runsc_restore")
             bundle.apply_cpu_share(sandbox_id, rec.sandbox_config)
+            step("cpu_share")
             self._wait_ready(sandbox_id, sdir)
+            step("agent_ready")
         except BaseException:
             self._connections.close(sandbox_id)
             self.runsc.kill_sandbox(sandbox_id)
