@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import ray
 
 from ..runtime.errors import ConfigError, ImageInUseError, SandboxError, SandboxNotFoundError
+from ..runtime.records import ID_RE
 from ..runtime.snapshot import Snapshot
 from .hosts import all_hosts, ask_hosts, call_host, host_for_node, wake_hosts
 from .labels import NAME_LABEL, current_job
@@ -90,6 +91,14 @@ def resume(key: str, *, placement: Placement = "any", timeout: float | None = No
     on its node when there is room (or ``placement`` says so), else on a node with room,
     where it moves (same id and name, a new reservation). A sandbox that runs already is
     returned as it is."""
+    # suspended on the shared path (RAY_SANDBOX_SUSPEND_DIR) by a node that is gone: the
+    # host of the caller's node takes it over (asked first: a dead node's host would keep
+    # the questions below waiting for their timeout)
+    here = ray.get_runtime_context().get_node_id()
+    host, taken = call_host(here, lambda h: h.take_over.remote(key, placement))
+    if taken is not None:
+        where, name = taken
+        return Copy(key if ID_RE.match(key) else _id_of(host, name), host, where, name)
     for node, host, sid in ask_hosts("find_suspended", key):
         if sid is not None:
             where, name = ray.get(host.wake.remote(sid, placement, timeout))
@@ -99,6 +108,13 @@ def resume(key: str, *, placement: Placement = "any", timeout: float | None = No
             if key in (sid, labels.get(NAME_LABEL)):
                 return Copy(sid, host, node, labels.get(NAME_LABEL))
     raise SandboxNotFoundError(f"no suspended sandbox {key!r}")
+
+
+def _id_of(host: Any, name: str) -> str:
+    found = [sid for sid, labels in ray.get(host.list.remote({NAME_LABEL: name}))]
+    if not found:
+        raise SandboxNotFoundError(f"no sandbox named {name!r}")
+    return found[0]
 
 
 def delete_snapshot(snapshot: Snapshot) -> None:

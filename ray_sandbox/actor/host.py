@@ -119,7 +119,7 @@ class SandboxHost:
                             ImageImports(self._rt.home, self.node_id), start_host)
         # the sandboxes a previous incarnation suspended are this one's (gc kept them)
         self._sleep = Sleep(self._rt, self._here, self._blocks, self._boots, self.node_id,
-                            start_host)
+                            start_host, self.restore)
         self._channel = ChannelServer.start(Path(self._rt.home) / "host.sock", self.call)
         threading.Thread(target=_watch, args=(self,), name="ray-sandbox-pg-watch",
                          daemon=True).start()
@@ -320,6 +320,11 @@ class SandboxHost:
             if moved is None:
                 self._rt.record(sandbox_id)  # SandboxNotFoundError for an unknown id
             return moved or self.node_id, name
+
+    def take_over(self, key: str, placement: str = "any") -> tuple[str, str | None] | None:
+        """Resume here a sandbox suspended on the shared path (RAY_SANDBOX_SUSPEND_DIR) by a
+        node that is gone; (this node, its name), or None if there is none of that key."""
+        return self._sleep.take_over(key, placement)
 
     def find_suspended(self, key: str) -> str | None:
         """The id of the sandbox suspended here whose id or name is ``key``."""
@@ -602,7 +607,7 @@ def _retire_if_idle(host: SandboxHost) -> bool:
 # The table's verbs name their group at the call (``call.options(concurrency_group=...)``).
 WORK_METHODS = ("stream", "process", "read_out", "write_in", "snapshot",
                 "snapshot_filesystem")
-CREATE_METHODS = ("create", "create_many", "restore", "suspend", "wake")
+CREATE_METHODS = ("create", "create_many", "restore", "suspend", "wake", "take_over")
 for _name in WORK_METHODS:
     setattr(SandboxHost, _name, ray.method(concurrency_group="work")(getattr(SandboxHost, _name)))
 for _name in CREATE_METHODS:

@@ -6,7 +6,13 @@ suspended state; and the threads idle suspends run on, so that no caller waits f
 
 A move: the suspended sandbox's files become a snapshot here (hard links to its checkpoint),
 the other node's host restores it under the same id and name, and what it left here is torn
-down; this host forwards the calls that still reach it (``Residents.moved``)."""
+down; this host forwards the calls that still reach it (``Residents.moved``).
+
+With ``RAY_SANDBOX_SUSPEND_DIR`` (a path every node mounts) a suspended sandbox's state is a
+complete snapshot there plus a note (``ray.json``: its node, reservation, owner, name), so
+that when its node is gone the host of another node can take it over (:meth:`take_over`,
+``ray_sandbox.resume``): it renames the directory away (one taker wins), restores the
+sandbox under its id and name, and a node that comes back removes what it had of it."""
 
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ import os
 import shutil
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,7 +30,7 @@ from typing import Any
 
 import ray
 
-from ..runtime import SandboxRuntime, procfs
+from ..runtime import SandboxRuntime, checkpoint, procfs
 from ..runtime.config import UNLIMITED, parse_size
 from ..runtime.errors import (
     CapacityError,
@@ -33,8 +40,9 @@ from ..runtime.errors import (
     SandboxNotFoundError,
     SandboxStateError,
 )
+from ..runtime.records import ID_RE
 from ..runtime.results import SandboxState
-from ..runtime.snapshot import SnapshotDir
+from ..runtime.snapshot import SnapshotDir, pack
 from ..runtime.verbs import NoRequest
 from . import metrics
 from .blocks import Blocks
@@ -46,6 +54,9 @@ from .volumes import volume_node
 
 SUSPEND_PARALLEL = 4  # idle suspends at once on one host (each ~50-100 ms of runsc)
 _DRAIN_S = 30.0  # an asked-for suspend waits this long for the calls inside to end
+NOTE = "ray.json"  # beside a shared snapshot: the Ray side of the suspended sandbox
+_NOTE_MAX = 64 * 1024
+_SHARED_SCAN_MAX = 100_000  # entries of the shared path one take-over looks at
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +92,10 @@ class Sleep:
     """The suspend side of one host."""
 
     def __init__(self, rt: SandboxRuntime, here: Residents, blocks: Blocks, boots: Boots,
-                 node_id: str, start_host: Callable[..., Any]) -> None:
+                 node_id: str, start_host: Callable[..., Any],
+                 restore: Callable[..., str]) -> None:
         self._rt = rt
+        self._restore = restore  # the host's: a copy of a snapshot under a reservation
         self._here = here
         self._blocks = blocks
         self._boots = boots
@@ -170,6 +183,11 @@ class Sleep:
                 return False
             metrics.count_suspend(tag, "ok", time.perf_counter() - t0)
             self._here.fell_asleep(sandbox_id, bundle, state.size_bytes, state.since)
+            if state.snapshot:  # on the shared path: another node may take it over
+                with self._here.lock:
+                    asleep = self._here.asleep[sandbox_id]
+                note = {"node": self.node_id, **asleep.__dict__}
+                (Path(state.snapshot) / NOTE).write_text(json.dumps(note))
             self._count("suspends")
             return True
         finally:
@@ -300,6 +318,57 @@ class Sleep:
             log.warning("tearing down %s here after its move failed; gc finishes it",
                         sandbox_id, exc_info=True)
 
+    def take_over(self, key: str, placement: str = "any") -> tuple[str, str | None] | None:
+        """Resume here the sandbox with id or name ``key`` suspended on the shared path by a
+        node that is gone (None: none there, or its node is alive). Its directory is renamed
+        away first, so one host takes it; on failure it is put back for the next try."""
+        shared = checkpoint.shared_dir()
+        if shared is None or not shared.is_dir():
+            return None
+        if ID_RE.match(key):
+            candidates: Iterator[Path] = iter([shared / key])
+        else:  # a name: the notes say (at most _SHARED_SCAN_MAX entries are looked at)
+            candidates = (d for i, d in enumerate(shared.iterdir()) if i < _SHARED_SCAN_MAX)
+        for d in candidates:
+            if not ID_RE.match(d.name):
+                continue
+            note = _read_note(d / NOTE)
+            if note is None or key not in (d.name, note.get("name")):
+                continue
+            if _node_alive(str(note.get("node"))):
+                return None  # its own host resumes it
+            taken = shared / f".taken-{d.name}-{uuid.uuid4().hex[:8]}"
+            try:
+                os.rename(d, taken)
+            except FileNotFoundError:
+                continue  # another host took it meanwhile
+            try:
+                self._restore_taken(d.name, taken, note, placement)
+            except BaseException:
+                os.rename(taken, d)
+                raise
+            shutil.rmtree(taken, ignore_errors=True)
+            return self.node_id, note.get("name")
+        return None
+
+    def _restore_taken(self, sandbox_id: str, taken: Path, note: dict[str, Any],
+                       placement: str) -> None:
+        snap = self._rt.snapshots.import_(pack(taken))  # owned by this host
+        try:
+            snap = snap.model_copy(update={"node_id": self.node_id})
+            node = None if placement == "any" else placement
+            if node not in (None, self.node_id):
+                raise ConfigError("a sandbox taken over from the shared path resumes on the "
+                                  "node of the host that takes it", sandbox_id=sandbox_id)
+            pg_hex, _ = reserve(dict(note.get("bundle") or {}), node_id=self.node_id,
+                                timeout=resume_timeout(), lifetime="detached")
+            self._restore(snap, pg_hex, note.get("name"), sandbox_id,
+                          owner_job=note.get("job"), owner_actor=note.get("actor"))
+            self._count("resumes")
+            metrics.count_resume("taken_over", "ok")
+        finally:
+            self._rt.snapshots.delete(snap.snapshot_id)
+
     # --- forwarding to the node a sandbox moved to ----------------------------------------
 
     def forward(self, sandbox_id: str, node: str, call: Callable[[Any], Any]) -> Any:
@@ -340,3 +409,12 @@ def _node_alive(node: str) -> bool:
         return node_alive(node)
     except Exception:  # noqa: BLE001 - GCS hiccup: assume alive
         return True
+
+
+def _read_note(path: Path) -> dict[str, Any] | None:
+    try:
+        with open(path, "rb") as f:
+            note = json.loads(f.read(_NOTE_MAX))
+        return note if isinstance(note, dict) else None
+    except (OSError, ValueError):
+        return None

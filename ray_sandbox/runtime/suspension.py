@@ -283,24 +283,36 @@ class Suspensions:
 
     def adopt(self) -> list[str]:
         """This runtime takes the home's suspended sandboxes (a restarted Ray host): each
-        becomes owned here again on its next resume, and one whose resume was cut short by
-        a crash loses its half-started container. Returns their ids."""
+        becomes owned here again on its next resume, one whose resume was cut short by a
+        crash loses its half-started container, and one another node took over from the
+        shared path (RAY_SANDBOX_SUSPEND_DIR) while this one was away is removed here.
+        Returns the ids adopted."""
         ids = self.list()
         # a resume or suspend its process left running (a restore that would finish, a
         # checkpoint): nothing of a suspended sandbox may run now
         reaper.kill_stray_runsc(self._launcher.runsc,
                                 set(self._records.on_disk()) - set(ids))
+        kept = []
         for sid in ids:
             rec = self._records.load(sid)
             if rec is None:
                 continue
+            state = checkpoint.SuspendState.read(self._records.sdir(sid))
+            if state is not None and state.snapshot and not Path(state.snapshot).is_dir():
+                # taken over from the shared path while this node was away: it runs on
+                # another node now, so what it left here goes
+                _log.info("sandbox %s was resumed elsewhere from the shared path; removing "
+                          "what it left here", sid)
+                self._launcher.destroy(sid, reason="MovedAway")
+                continue
+            kept.append(sid)
             if self._launcher.runsc.has_container(sid):
                 self._launcher.runsc.kill_sandbox(sid)
                 with contextlib.suppress(SandboxError):
                     self._launcher.runsc.delete(sid)
             (self._records.sdir(sid).run / checkpoint.HOLD_FILE).unlink(missing_ok=True)
             self._records.adopt(rec)
-        return ids
+        return kept
 
     def _client(self, sandbox_id: str) -> AgentClient:
         client = self._connections.get(sandbox_id, self._records.sdir(sandbox_id).socket,
