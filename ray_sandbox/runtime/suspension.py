@@ -20,6 +20,7 @@ once; the others wait for it.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import logging
 import os
@@ -281,7 +282,7 @@ class Suspensions:
             sd.remove()
             raise
 
-    def adopt(self) -> list[str]:
+    def adopt(self) -> builtins.list[str]:
         """This runtime takes the home's suspended sandboxes (a restarted Ray host): each
         becomes owned here again on its next resume, one whose resume was cut short by a
         crash loses its half-started container, and one another node took over from the
