@@ -1,7 +1,7 @@
 """Suspend and resume speed (issue 36), each beside its baselines in the same run.
 
     .venv/bin/python -m benchmarks.bench_suspend [--n 20] [--no-python] [--no-ray]
-        [--breakdown 5] [--density 2000 --awake 100 --seconds 120]
+        [--breakdown 5] [--density 2000 --awake 100 --seconds 120 [--density-only]]
 
 One node, runtime (no Ray), for an idle busybox sandbox and (unless ``--no-python``) a
 Debian+python sandbox whose Python process has imported numpy:
@@ -339,16 +339,21 @@ def ray_rows(n: int, home: Path) -> list[dict]:
 # --- density --------------------------------------------------------------------------------
 
 
-def _mem_available() -> int:
+def _meminfo() -> dict[str, int]:
+    """The node's /proc/meminfo (bytes) and this process's RSS."""
+    out = {}
     for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return 0
+        k, _, v = line.partition(":")
+        out[k] = int(v.split()[0]) * 1024
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            out["driver_rss"] = int(line.split()[1]) * 1024
+    return out
 
 
 def density_rows(rt: SandboxRuntime, n: int, awake: int, seconds: float) -> list[dict]:
     config = {"image": "ray-sandbox/busybox", "cpu": 0.1, "memory": "64Mi"}
-    before = _mem_available()
+    before = _meminfo()
     ids: list[str] = []
     lru: OrderedDict[str, None] = OrderedDict()
     lock = threading.Lock()
@@ -361,7 +366,7 @@ def density_rows(rt: SandboxRuntime, n: int, awake: int, seconds: float) -> list
                 return sid
 
             ids = list(pool.map(make, range(n)))
-        settled = _mem_available()
+        settled = _meminfo()
         sizes = [s.size_bytes for sid in ids if (s := rt.suspensions.state(sid))]
         wakes = execs = 0
         lat: list[float] = []
@@ -403,12 +408,15 @@ def density_rows(rt: SandboxRuntime, n: int, awake: int, seconds: float) -> list
                 k += 8
         took = time.monotonic() - t_start
         sleeper.shutdown(wait=True)
-        per = (before - settled) / max(1, n)
+        def per(key: str, sign: int = 1) -> float:  # KiB per suspended sandbox
+            return round(sign * (settled[key] - before[key]) / max(1, n) / 1024, 1)
+
         return [summarize(f"density {n}, <= {awake} awake: resume -> exec of a sleeping one",
                           lat or [0.0], wakeups_per_s=round(wakes / took, 2),
                           execs_per_s=round(execs / took, 2), errors=len(errors)),
                 {"label": f"density {n}: per suspended sandbox", "n": n,
-                 "mem_kib": round(per / 1024, 1),
+                 "mem_available_kib": per("MemAvailable", -1), "shmem_kib": per("Shmem"),
+                 "slab_kib": per("Slab"), "driver_rss_kib": per("driver_rss"),
                  "disk_kib": round(statistics.median(sizes) / 1024, 1) if sizes else None,
                  "first_error": errors[0] if errors else ""}]
     finally:
@@ -435,15 +443,19 @@ def main() -> None:
     ap.add_argument("--density", type=int, default=0)
     ap.add_argument("--awake", type=int, default=100)
     ap.add_argument("--seconds", type=float, default=120.0)
+    ap.add_argument("--density-only", action="store_true",
+                    help="only the density run (with --density)")
     args = ap.parse_args()
     home = Path(tempfile.mkdtemp(prefix="rsb-bench-suspend-"))
     rows: list[dict] = []
     loads = [loadavg()]
     rt = SandboxRuntime(home / "rt", images=ImageStore(images()))
+    latency = not args.density_only
     try:
-        rows += runtime_rows(rt, "busybox", BUSYBOX, args.n)
-        loads.append(loadavg())
-        if not args.no_python:
+        if latency:
+            rows += runtime_rows(rt, "busybox", BUSYBOX, args.n)
+            loads.append(loadavg())
+        if latency and not args.no_python:
             ref = numpy_image(rt)
             try:
                 py = {**PYTHON, "image": ref}
@@ -453,19 +465,19 @@ def main() -> None:
             finally:
                 rt.delete_filesystem_image(ref)
             loads.append(loadavg())
-        if args.breakdown:
+        if latency and args.breakdown:
             rows += breakdown_rows(rt, args.breakdown)
         if args.density:
             rows += density_rows(rt, args.density, args.awake, args.seconds)
             loads.append(loadavg())
     finally:
         rt.close()
-    if not args.no_ray:
+    if latency and not args.no_ray:
         rows += ray_rows(args.n, home)
         loads.append(loadavg())
     shutil.rmtree(home, ignore_errors=True)
-    emit("bench_suspend", rows, notes="load averages (1/5/15 min) during the run: "
-         + " -> ".join(loads))
+    name = "bench_suspend_density" if args.density_only else "bench_suspend"
+    emit(name, rows, notes="load averages (1/5/15 min) during the run: " + " -> ".join(loads))
 
 
 if __name__ == "__main__":

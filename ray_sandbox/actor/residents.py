@@ -130,9 +130,9 @@ class Residents:
                 self.last_create = time.monotonic()
                 self.idle.notify_all()
 
-    def forget(self, sandbox_id: str, *, keep_name: bool = False) -> None:
+    def forget(self, sandbox_id: str) -> None:
         """A sandbox ended (running or suspended here): its processes close, its reservation
-        is given back and its name too (not while it lives on: ``keep_name``)."""
+        is given back and its name too."""
         with self.lock:
             pg_hex = self.pgs.pop(sandbox_id, None)
             self.jobs.pop(sandbox_id, None)
@@ -146,7 +146,7 @@ class Residents:
             proc.close()
         if pg_hex:
             self.release(pg_hex)
-        if name and not keep_name:
+        if name:
             names.release(name, sandbox_id)
         self._gauges()
 

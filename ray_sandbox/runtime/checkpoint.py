@@ -50,6 +50,7 @@ class SuspendState(BaseModel):
     last_used: float  # time.time() of the last call into it, for idle_timeout_seconds
     reason: str = "Suspended"  # "Suspended" (asked for) or "Idle" (idle_suspend_seconds)
     detached: bool = False  # whether it was detached before: a resume keeps that
+    readdressed: bool = False  # its netns has its address back (network.reattach) already
 
     @classmethod
     def read(cls, sdir: SandboxDir) -> SuspendState | None:

@@ -271,6 +271,7 @@ class Launcher:
         return self._records.set_phase(rec, "created")
 
     def resume_in_place(self, rec: SandboxRecord, image: Path, *, detach: bool,
+                        readdressed: bool = False,
                         timings: dict[str, float] | None = None) -> SandboxRecord:
         """Start a sandbox suspended in place again from its checkpoint ``image``, in its
         own directory: its root overlay, disk, volume binds, network (netns, veth, address,
@@ -294,7 +295,8 @@ class Launcher:
             if self.runsc.has_container(sandbox_id):  # a resume that failed or was cut short
                 self.runsc.kill_sandbox(sandbox_id)
                 self.runsc.delete(sandbox_id)
-            prefix = network.reattach(sandbox_id, sdir.path)
+                readdressed = False  # its restore took the address again
+            prefix = network.reattach(sandbox_id, sdir.path, readdress=not readdressed)
             step("network")
             self.runsc.restore_detached(sandbox_id, sdir.bundle, image, rec.runsc_flags,
                                         prefix=prefix, log_dir=sdir.path)

@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from . import checkpoint, reaper
+from . import checkpoint, network, reaper
 from .agent.client import AgentClient
 from .bundle import SandboxDir
 from .connections import Connections
@@ -151,8 +151,13 @@ class Suspensions:
         # From here the suspend completes; what cannot be cleaned up now the resume cleans
         # up (a container left behind).
         self._connections.close(sandbox_id)
+        readdressed = False
         with contextlib.suppress(SandboxError):
             self._launcher.runsc.delete(sandbox_id)
+            # the veth's address back in its netns now, not on the resume's path (a client
+            # meanwhile is refused at once by the node's kernel instead of waiting)
+            network.reattach(sandbox_id, sdir.path)
+            readdressed = True
         snapshot = None
         if snap_dir is not None:  # the rest of a snapshot, for another node
             try:
@@ -164,7 +169,7 @@ class Suspensions:
         state = checkpoint.SuspendState(
             image=str(image), snapshot=snapshot, size_bytes=tree_size(snap_dir or image),
             since=time.time(), last_used=used, reason=reason,
-            detached=rec.owner_pid is None)
+            detached=rec.owner_pid is None, readdressed=readdressed)
         state.write(sdir)
         # the commit: suspended, and detached on disk so that no gc reaps it meanwhile
         self._records.write(rec.model_copy(update={
@@ -233,7 +238,7 @@ class Suspensions:
         timings: dict[str, float] = {}
         try:
             rec = self._launcher.resume_in_place(rec, Path(state.image), detach=state.detached,
-                                                 timings=timings)
+                                                 readdressed=state.readdressed, timings=timings)
         except SandboxError as exc:
             raise ResumeError(f"resume failed: {exc.message}", sandbox_id=sandbox_id,
                               argv=exc.argv, returncode=exc.returncode,
