@@ -1,6 +1,6 @@
 """One entry point for every benchmark: run some (or all), then chart every saved result.
 
-    .venv/bin/python -m benchmarks [runtime ray images python_image network snapshot scale
+    .venv/bin/python -m benchmarks [runtime ray images python_image network snapshot suspend scale
                                     blocks cpu stock memory commands service ray_floor soak]
                                     [--quick]
     .venv/bin/python -m benchmarks --chart-only
@@ -24,6 +24,7 @@ MODULES = {
     "python_image": "benchmarks.bench_python_image",
     "network": "benchmarks.bench_network",
     "snapshot": "benchmarks.bench_snapshot",
+    "suspend": "benchmarks.bench_suspend",
     "scale": "benchmarks.bench_scale",
     "blocks": "benchmarks.bench_blocks",
     "cpu": "benchmarks.bench_cpu",

@@ -68,9 +68,10 @@ def test_sandboxes_go_to_their_volumes_node(tmp_path_factory, default_image, bus
         with pytest.raises(VolumeInUseError, match="mounted by"):
             delete_volume("ray-ws")
         # suspended, then resumed with the default placement ("any"): back on the volume's
-        # node, not wherever Ray has room; another node named explicitly is refused
+        # node, not wherever Ray has room; another node named explicitly is refused. A
+        # suspended sandbox keeps its volume bound (it comes back with it in place)
         ray.get(sb.suspend.remote())
-        assert _idle("ray-ws")
+        assert [u.readonly for u in inspect_volume("ray-ws").mounts] == [False]
         with pytest.raises(ConfigError, match="cannot run on node"):
             api.resume(sb.sandbox_id, placement=by_res["vnode0"])
         sb = api.resume(sb.sandbox_id)

@@ -87,10 +87,10 @@ def create(
 
 def _exists(sandbox_id: str) -> bool:
     """Whether the sandbox runs, or is suspended, on any node (a name it holds is taken)."""
-    for _, _, items in ask_hosts("list", None):
+    for _, _, items in ask_hosts("list", None):  # suspended ones are listed too
         if any(sid == sandbox_id for sid, _ in items):
             return True
-    return any(snap is not None for _, _, snap in ask_hosts("find_suspended", sandbox_id))
+    return False
 
 
 def _dead_jobs() -> set[str]:
@@ -188,8 +188,11 @@ def resume(
     sandbox: SandboxHandle | str, *, placement: Placement = "any",
     timeout: float | None = None,
 ) -> SandboxHandle:
-    """Bring back a suspended sandbox (by handle, id or name): reserve its resources again
-    (on any node by default), restore it under its old id and name, delete the snapshot."""
+    """Bring back a suspended sandbox (by handle, id or name) now rather than at its next
+    call: its host resumes it on its node when there is room there, else on a node with
+    room (``placement``: "any", "local" or a node id), where it moves under its id and name.
+    Handles made before keep working either way (the old host forwards). A running sandbox
+    is returned as it is."""
     key = sandbox.sandbox_id if isinstance(sandbox, SandboxHandle) else sandbox
     copy = copies.resume(key, placement=placement, timeout=timeout)
     return SandboxHandle(**copy._asdict())

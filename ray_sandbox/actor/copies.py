@@ -1,5 +1,6 @@
-"""New sandboxes from snapshots: ``restore`` copies, ``fork`` a running sandbox, ``resume``
-a suspended one. Each copy holds its own Ray reservation, the source's resources.
+"""New sandboxes from snapshots: ``restore`` copies, ``fork`` a running sandbox; and
+``resume`` of a suspended one (its host resumes it, in place or by moving it: suspend.py).
+Each copy holds its own Ray reservation, the source's resources.
 
 Copies come back as :class:`Copy` (id, host, node), not handles, so that the handle module can
 fork through this one.
@@ -13,9 +14,10 @@ from typing import Any, NamedTuple
 import ray
 
 from ..runtime.errors import ConfigError, ImageInUseError, SandboxError, SandboxNotFoundError
+from ..runtime.records import ID_RE
 from ..runtime.snapshot import Snapshot
-from .hosts import all_hosts, ask_hosts, call_host, wake_hosts
-from .labels import DETACHED_LABEL, NAME_LABEL, SUSPENDED_LABEL, current_job
+from .hosts import all_hosts, ask_hosts, call_host, host_for_node, wake_hosts
+from .labels import NAME_LABEL, current_job
 from .placement import Placement, check_lifetime, copy_bundle, copy_node, remove_pg, reserve
 
 
@@ -85,23 +87,34 @@ def fork(host: Any, sandbox_id: str, k: int = 1, *, placement: Placement = "loca
 
 
 def resume(key: str, *, placement: Placement = "any", timeout: float | None = None) -> Copy:
-    """The suspended sandbox with id or name ``key``, restored under its old id and name
-    with a new reservation; its snapshot is deleted."""
-    snap = _find_suspended(key)
-    name = snap.labels.get(NAME_LABEL)
-    lifetime = "detached" if snap.labels.get(DETACHED_LABEL) else None  # as it was
-    pg_hex, node = reserve(copy_bundle(snap), node_id=copy_node(snap, placement), name=name,
-                           lifetime=lifetime, timeout=timeout)
-    copy = _restore_on(node, pg_hex, snap, name, snap.labels[SUSPENDED_LABEL], lifetime)
-    delete_snapshot(snap)
-    return copy
-
-
-def _find_suspended(key: str) -> Snapshot:
-    for _, _, snap in ask_hosts("find_suspended", key):
-        if snap is not None:
-            return snap
+    """The suspended sandbox with id or name ``key``, resumed by the host that holds it:
+    on its node when there is room (or ``placement`` says so), else on a node with room,
+    where it moves (same id and name, a new reservation). A sandbox that runs already is
+    returned as it is."""
+    # suspended on the shared path (RAY_SANDBOX_SUSPEND_DIR) by a node that is gone: the
+    # host of the caller's node takes it over (asked first: a dead node's host would keep
+    # the questions below waiting for their timeout)
+    here = ray.get_runtime_context().get_node_id()
+    host, taken = call_host(here, lambda h: h.take_over.remote(key, placement))
+    if taken is not None:
+        where, name = taken
+        return Copy(key if ID_RE.match(key) else _id_of(host, name), host, where, name)
+    for node, host, sid in ask_hosts("find_suspended", key):
+        if sid is not None:
+            where, name = ray.get(host.wake.remote(sid, placement, timeout))
+            return Copy(sid, host if where == node else host_for_node(where), where, name)
+    for node, host, items in ask_hosts("list", None):
+        for sid, labels in items:
+            if key in (sid, labels.get(NAME_LABEL)):
+                return Copy(sid, host, node, labels.get(NAME_LABEL))
     raise SandboxNotFoundError(f"no suspended sandbox {key!r}")
+
+
+def _id_of(host: Any, name: str) -> str:
+    found = [sid for sid, labels in ray.get(host.list.remote({NAME_LABEL: name}))]
+    if not found:
+        raise SandboxNotFoundError(f"no sandbox named {name!r}")
+    return found[0]
 
 
 def delete_snapshot(snapshot: Snapshot) -> None:

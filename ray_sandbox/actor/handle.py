@@ -178,8 +178,9 @@ class SandboxHandle:
 
     @property
     def suspend(self) -> _Method:
-        """Checkpoint to disk, delete the container and release the Ray reservation; status
-        becomes SUSPENDED until ``ray_sandbox.resume(handle or name)``."""
+        """``suspend.remote()`` -> ObjectRef[SandboxStatus]: checkpoint to disk in place, end
+        the container and give the Ray reservation back; status SUSPENDED until the next
+        call into it (which resumes it first) or ``ray_sandbox.resume(handle or name)``."""
         return self._host_call("suspend")
 
     def fork(self, k: int = 1, *, placement: str = "local", timeout: float | None = None,

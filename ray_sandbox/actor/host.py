@@ -46,26 +46,24 @@ from ..runtime.errors import (
     SandboxCreationError,
     SandboxError,
     SandboxNotFoundError,
-    SandboxStateError,
 )
-from ..runtime.results import ExecResult, SandboxLink, SandboxState, SandboxStatus
+from ..runtime.results import ExecResult, SandboxLink, SandboxStatus
 from ..runtime.snapshot import Snapshot, SnapshotDir
-from ..runtime.verbs import ExecRequest, LinkRequest, NoRequest, Request, SpawnRequest
+from ..runtime.verbs import ExecRequest, LinkRequest, Request, SpawnRequest, Verb
 from . import metrics
 from .blocks import Block, Blocks, Shape, sweep_dead_nodes
 from .boots import BOOT_PARALLEL, Boots
 from .channel import ChannelServer
 from .labels import (
-    DETACHED_LABEL,
     HOST_PREFIX,
     NAME_LABEL,
     NAMESPACE,
     OWNER_ACTOR_LABEL,
-    SUSPENDED_LABEL,
 )
 from .placement import PG_LABEL, bundle_label, pg_gone, release_reaped
 from .residents import Residents
 from .stock import Stock
+from .suspend import Sleep
 from .transfer import ImageImports, SnapshotImports, fetch, rechunk
 
 _WATCH_INTERVAL = 1.0
@@ -119,6 +117,9 @@ class SandboxHost:
             share=_number_env("RAY_SANDBOX_STOCK_SHARE", 0.25))
         self._boots = Boots(self._rt, self._blocks, self._stock,
                             ImageImports(self._rt.home, self.node_id), start_host)
+        # the sandboxes a previous incarnation suspended are this one's (gc kept them)
+        self._sleep = Sleep(self._rt, self._here, self._blocks, self._boots, self.node_id,
+                            start_host, self.restore)
         self._channel = ChannelServer.start(Path(self._rt.home) / "host.sock", self.call)
         threading.Thread(target=_watch, args=(self,), name="ray-sandbox-pg-watch",
                          daemon=True).start()
@@ -190,24 +191,35 @@ class SandboxHost:
                     ] * missing
         return results, self._boots.advertised()
 
-    def delete(self, sandbox_id: str, keep_name: bool = False) -> None:
-        """End the sandbox; its name is given back unless ``keep_name`` (a suspension)."""
-        try:
-            if self._rt.oom_killed(sandbox_id):  # the cgroup that tells goes with the delete
-                metrics.count_oom()
-            self._rt.delete(sandbox_id)
-        finally:
-            self._here.forget(sandbox_id, keep_name=keep_name)
+    def delete(self, sandbox_id: str) -> None:
+        """End the sandbox (running or suspended here, or forwarded to the node it moved
+        to) and give its name back. A suspend or resume under way is waited for."""
+        with self._here.inside(sandbox_id, None) as moved:
+            if moved is not None:
+                self._sleep.forward(sandbox_id, moved,
+                                    lambda h: h.delete.remote(sandbox_id))
+                self._here.drop_moved(sandbox_id)
+                return
+            try:
+                if self._rt.oom_killed(sandbox_id):  # its cgroup goes with the delete
+                    metrics.count_oom()
+                self._rt.delete(sandbox_id)
+            finally:
+                self._here.forget(sandbox_id)
 
     def shutdown(self, timeout: float = 60.0) -> int:
         """Delete every sandbox on this host, including ones whose create was in flight
         (used by ``ray_sandbox.shutdown``); later creates are refused."""
         ids = self._here.close_when_idle(timeout)
+        with self._here.lock:
+            ids += list(self._here.asleep)
+            self._here.moved.clear()  # their new hosts are shut down too
         for sid in ids:
             try:
                 self.delete(sid)
             except SandboxError:
                 pass
+        self._sleep.close()
         self._stock.close()
         self._rt.close()  # waits for the background teardowns of the deletes above
         self._blocks.release_all()
@@ -227,6 +239,10 @@ class SandboxHost:
 
     def config(self, sandbox_id: str) -> SandboxConfig:
         """The sandbox's config as its caller gave it: our own labels taken out."""
+        with self._here.lock:
+            moved = self._here.moved.get(sandbox_id)
+        if moved is not None:
+            return self._sleep.forward(sandbox_id, moved, lambda h: h.config.remote(sandbox_id))
         cfg = self._rt.record(sandbox_id).sandbox_config
         return cfg.model_copy(update={"labels": {k: v for k, v in cfg.labels.items()
                                                  if not k.startswith("ray-sandbox/")}})
@@ -236,20 +252,27 @@ class SandboxHost:
     def snapshot(self, sandbox_id: str, labels: dict[str, str] | None = None,
                  detach: bool = False) -> Snapshot:
         """A snapshot on this node, labelled with the sandbox's Ray reservation so copies
-        reserve the same. Owned by this host unless ``detach``."""
-        with self._here.lock:
-            pg_hex = self._here.pgs.get(sandbox_id)
-        extra = {**(labels or {}),
-                 **(bundle_label(pg_hex, self._blocks.shape(pg_hex)) if pg_hex else {})}
-        snap = self._rt.snapshot(sandbox_id, labels=extra, detach=detach)
-        snap = snap.model_copy(update={"node_id": self.node_id})
-        SnapshotDir(self._rt.snapshots_dir / snap.snapshot_id).write(snap)
-        return snap
+        reserve the same. Owned by this host unless ``detach``. A suspended sandbox is
+        resumed first; one that moved is snapshotted on its node."""
+        with self._here.inside(sandbox_id, self._sleep.wake) as moved:
+            if moved is not None:
+                return self._sleep.forward(sandbox_id, moved, lambda h: h.snapshot.remote(
+                    sandbox_id, labels, detach))
+            with self._here.lock:
+                pg_hex = self._here.pgs.get(sandbox_id)
+            extra = {**(labels or {}),
+                     **(bundle_label(pg_hex, self._blocks.shape(pg_hex)) if pg_hex else {})}
+            snap = self._rt.snapshot(sandbox_id, labels=extra, detach=detach)
+            snap = snap.model_copy(update={"node_id": self.node_id})
+            SnapshotDir(self._rt.snapshots_dir / snap.snapshot_id).write(snap)
+            return snap
 
     def restore(self, snapshot: Snapshot, pg_hex: str, name: str | None = None,
-                sandbox_id: str | None = None, owner_job: str | None = None) -> str:
+                sandbox_id: str | None = None, owner_job: str | None = None,
+                owner_actor: str | None = None) -> str:
         """One copy of ``snapshot`` under the reservation ``pg_hex`` (fetched from the node
-        that holds it first, if that is another node)."""
+        that holds it first, if that is another node); under ``sandbox_id``, its source's
+        own id, it is the source moved here (a resume on another node)."""
 
         def start() -> str:
             self._imports.ensure_local(snapshot, start_host)
@@ -261,38 +284,75 @@ class SandboxHost:
             ids = [sandbox_id] if sandbox_id else None
             return self._rt.restore(snapshot, 1, labels=labels, sandbox_ids=ids)[0]
 
-        return self._here.start(pg_hex, owner_job, start, name)
+        return self._here.start(pg_hex, owner_job, start, name, owner_actor)
 
     def delete_snapshot(self, snapshot_id: str) -> None:
         self._rt.snapshots.delete(snapshot_id)
 
-    def suspend(self, sandbox_id: str) -> Snapshot:
-        """Checkpoint to disk, delete the sandbox, release its reservation. The snapshot
-        outlives this host process (detached) until the sandbox is resumed or deleted."""
-        rec = self._rt.record(sandbox_id)
-        labels = {SUSPENDED_LABEL: sandbox_id}
-        name = rec.config.get("labels", {}).get(NAME_LABEL)
-        if name:
-            labels[NAME_LABEL] = name
+    def suspend(self, sandbox_id: str) -> SandboxStatus:
+        """Checkpoint the sandbox to disk in place, end its container and give its Ray
+        reservation back (docs/snapshots.md, "Idle suspend"); status SUSPENDED until the
+        next call into it, or ``ray_sandbox.resume``, brings it back. Idempotent. Waits up
+        to 30 s for calls inside it; CapacityError past the node's disk budget."""
         with self._here.lock:
-            if sandbox_id not in self._here.jobs:  # no owning job: it comes back detached
-                labels[DETACHED_LABEL] = "1"
-        snap = self.snapshot(sandbox_id, labels=labels, detach=True)
-        self.delete(sandbox_id, keep_name=True)
-        return snap
+            moved = self._here.moved.get(sandbox_id)
+            asleep = sandbox_id in self._here.asleep
+        if moved is not None:
+            return self._sleep.forward(sandbox_id, moved,
+                                       lambda h: h.suspend.remote(sandbox_id))
+        if not asleep:
+            self._rt.record(sandbox_id)  # SandboxNotFoundError for an unknown id
+            self._sleep.suspend(sandbox_id, reason="Suspended", strict=True)
+        return self._rt.get_status(sandbox_id)
 
-    def find_suspended(self, key: str) -> Snapshot | None:
-        """The suspension snapshot of the sandbox with this id or name, if on this node."""
-        for snap in self._rt.snapshots.list():
-            lbl = snap.labels
-            if SUSPENDED_LABEL in lbl and key in (lbl[SUSPENDED_LABEL], lbl.get(NAME_LABEL)):
-                return snap
+    def wake(self, sandbox_id: str, placement: str = "any",
+             timeout: float | None = None) -> tuple[str, str | None]:
+        """Resume a sandbox suspended here (``ray_sandbox.resume``): on this node when it
+        has room, else wherever Ray has room (``placement``: "any", "local" or a node id).
+        Returns (the node it runs on, its name)."""
+        def wake(sid: str) -> None:
+            self._sleep.wake(sid, placement, timeout)
+
+        with self._here.lock:
+            name = self._here.names.get(sandbox_id) or (
+                a.name if (a := self._here.asleep.get(sandbox_id)) else None)
+        with self._here.inside(sandbox_id, wake) as moved:
+            if moved is None:
+                self._rt.record(sandbox_id)  # SandboxNotFoundError for an unknown id
+            return moved or self.node_id, name
+
+    def take_over(self, key: str, placement: str = "any") -> tuple[str, str | None] | None:
+        """Resume here a sandbox suspended on the shared path (RAY_SANDBOX_SUSPEND_DIR) by a
+        node that is gone; (this node, its name), or None if there is none of that key."""
+        return self._sleep.take_over(key, placement)
+
+    def find_suspended(self, key: str) -> str | None:
+        """The id of the sandbox suspended here whose id or name is ``key``."""
+        with self._here.lock:
+            for sid, asleep in self._here.asleep.items():
+                if key in (sid, asleep.name):
+                    return sid
         return None
+
+    def suspended(self) -> dict[str, int | None]:
+        """This node's suspended sandboxes: how many, the disk their checkpoints take, the
+        node's budget for them (None: unlimited), sandboxes that moved away, and what this
+        host did since it started (suspends, refused suspends, resumes, moves)."""
+        with self._here.lock:
+            n = len(self._here.asleep)
+            size = sum(a.size_bytes for a in self._here.asleep.values())
+            moved = len(self._here.moved)
+        return {"suspended": n, "bytes": size, "budget": self._sleep.budget, "moved": moved,
+                **self._sleep.counts}
 
     def snapshot_filesystem(self, sandbox_id: str, max_bytes: int | None = None) -> str:
         """The sandbox's files as an image; its reference works on any node."""
         kw = {} if max_bytes is None else {"max_bytes": max_bytes}
-        return self._rt.snapshot_filesystem(sandbox_id, scope=self.node_id, **kw).ref
+        with self._here.inside(sandbox_id, self._sleep.wake) as moved:
+            if moved is not None:
+                return self._sleep.forward(sandbox_id, moved, lambda h: h.snapshot_filesystem
+                                           .remote(sandbox_id, max_bytes))
+            return self._rt.snapshot_filesystem(sandbox_id, scope=self.node_id, **kw).ref
 
     def delete_filesystem_image(self, ref: str) -> None:
         self._stock.forget_image(ref)
@@ -307,24 +367,48 @@ class SandboxHost:
 
     def call(self, verb: str, sandbox_id: str, request: Request) -> Any:
         """Any verb of the table that answers once: the runtime's method, or this host's
-        own version of it (``_OWN``) where the host adds something."""
+        own version of it (``_OWN``) where the host adds something. Every verb but
+        ``status`` resumes a suspended sandbox first (the caller sees only the latency);
+        one that moved to another node is called there."""
         row = verbs.verb(verb)
         if row.streams:
             raise ConfigError(f"{verb} streams: call it through stream()")
-        own = _OWN.get(verb)
-        if own is not None:
-            return own(self, sandbox_id, row.request.of((request,)))
-        return getattr(self._rt, row.method)(sandbox_id, row.request.of((request,)))
+        req = row.request.of((request,))
+        with self._here.lock:
+            woken = verb == "resume" and sandbox_id in self._here.asleep
+        with self._here.inside(sandbox_id, None if verb == "status" else self._sleep.wake
+                               ) as moved:
+            if moved is not None:
+                return self._sleep.forward(sandbox_id, moved, lambda h: h.call.options(
+                    concurrency_group=row.group).remote(verb, sandbox_id, req))
+            if woken:  # resume of a suspended sandbox: the gate brought it back
+                return None
+            own = _OWN.get(verb)
+            if own is not None:
+                return own(self, sandbox_id, req)
+            return getattr(self._rt, row.method)(sandbox_id, req)
 
     def stream(self, verb: str, sandbox_id: str, request: Request) -> Iterator[Any]:
         """A verb of the table that streams (a Ray streaming generator)."""
         row = verbs.verb(verb)
         if not row.streams:
             raise ConfigError(f"{verb} does not stream: call it through call()")
-        yield from getattr(self._rt, row.method)(sandbox_id, row.request.of((request,)))
+        req = row.request.of((request,))
+        with self._here.inside(sandbox_id, self._sleep.wake) as moved:
+            if moved is not None:
+                yield from self._sleep.forward_stream(moved, lambda h: _stream_of(
+                    h.stream, row, verb, sandbox_id, req))
+                return
+            yield from getattr(self._rt, row.method)(sandbox_id, req)
 
     def process(self, key: str, op: str, *args: Any, **kw: Any) -> Any:
         """Drive a spawned process by its key: one of ``AgentProcess.OPS``."""
+        sandbox_id = key.partition(":")[0]
+        with self._here.lock:
+            moved = self._here.moved.get(sandbox_id)
+        if moved is not None:
+            return self._sleep.forward(sandbox_id, moved, lambda h: h.process.remote(
+                key, op, *args, **kw))
         with self._here.lock:
             proc = self._here.procs.get(key)
         if proc is None:
@@ -340,8 +424,12 @@ class SandboxHost:
 
     def processes(self, sandbox_id: str) -> list[tuple[str, int]]:
         with self._here.lock:
-            return [(k, p.pid) for k, p in self._here.procs.items()
-                    if k.startswith(sandbox_id)]
+            moved = self._here.moved.get(sandbox_id)
+            if moved is None:
+                return [(k, p.pid) for k, p in self._here.procs.items()
+                        if k.startswith(sandbox_id + ":")]
+        return self._sleep.forward(sandbox_id, moved,
+                                   lambda h: h.processes.remote(sandbox_id))
 
     # --- transfers through the object store (actor/transfer.py) ----------------------------
 
@@ -351,11 +439,16 @@ class SandboxHost:
         streaming generator to its end whether or not the caller still reads) or
         ``archive`` (arg = its directory); a ``snapshot`` taken here (key = its id) or a
         ``fs_image`` (key = its id), as tars."""
-        if kind == "file":
-            path, max_bytes = arg
-            yield from rechunk(self._rt.iter_read(key, path, max_bytes=max_bytes))
-        elif kind == "archive":
-            yield from rechunk(self._rt.get_archive(key, arg))
+        if kind in ("file", "archive"):
+            with self._here.inside(key, self._sleep.wake) as moved:
+                if moved is not None:
+                    yield from self._sleep.forward_stream(moved, lambda h: h.read_out.options(
+                        num_returns="streaming").remote(kind, key, arg))
+                elif kind == "file":
+                    path, max_bytes = arg
+                    yield from rechunk(self._rt.iter_read(key, path, max_bytes=max_bytes))
+                else:
+                    yield from rechunk(self._rt.get_archive(key, arg))
         elif kind == "snapshot":
             yield from self._rt.snapshots.export(key)
         elif kind == "fs_image":
@@ -370,12 +463,16 @@ class SandboxHost:
                  mode: int = 0o644) -> None:
         """Bytes that arrive as object refs (fetched one at a time) into the sandbox: a
         ``file`` at ``path`` with ``mode``, or an ``archive`` unpacked in ``path``."""
-        if kind == "file":
-            self._rt.write_file(sandbox_id, path, fetch(refs), mode=mode)
-        elif kind == "archive":
-            self._rt.put_archive(sandbox_id, path, fetch(refs))
-        else:
+        if kind not in ("file", "archive"):
             raise ConfigError(f"nothing to write in of kind {kind!r}")
+        with self._here.inside(sandbox_id, self._sleep.wake) as moved:
+            if moved is not None:
+                self._sleep.forward(sandbox_id, moved, lambda h: h.write_in.remote(
+                    kind, sandbox_id, path, refs, mode))
+            elif kind == "file":
+                self._rt.write_file(sandbox_id, path, fetch(refs), mode=mode)
+            else:
+                self._rt.put_archive(sandbox_id, path, fetch(refs))
 
 
 # --- where this host adds to a verb, and its watch loop: functions of the host ------------
@@ -397,21 +494,9 @@ def _spawn(host: SandboxHost, sandbox_id: str, request: SpawnRequest) -> tuple[s
     return key, proc.pid
 
 
-def _status(host: SandboxHost, sandbox_id: str, request: NoRequest) -> SandboxStatus:
-    with host._here.lock:
-        live = sandbox_id in host._here.pgs
-    if not live and host.find_suspended(sandbox_id) is not None:
-        return SandboxStatus(sandbox_id=sandbox_id, state=SandboxState.SUSPENDED)
-    return host._rt.get_status(sandbox_id, request)
-
-
-def _resume(host: SandboxHost, sandbox_id: str, request: NoRequest) -> None:
-    if host.find_suspended(sandbox_id) is not None:
-        raise SandboxStateError(
-            "sandbox is suspended: bring it back with ray_sandbox.resume(name or handle)",
-            sandbox_id=sandbox_id,
-        )
-    host._rt.resume(sandbox_id, request)
+def _stream_of(method: Any, row: Verb, verb: str, sandbox_id: str, req: Request) -> Any:
+    return method.options(num_returns="streaming", concurrency_group=row.group).remote(
+        verb, sandbox_id, req)
 
 
 def _link(host: SandboxHost, sandbox_id: str, request: LinkRequest) -> SandboxLink:
@@ -424,11 +509,9 @@ def _link(host: SandboxHost, sandbox_id: str, request: LinkRequest) -> SandboxLi
                                    "sandboxes on one node)", sandbox_id=request.to) from None
 
 
-# Where this host adds to a verb (metrics, the processes it keeps, a suspended sandbox's
-# status, a clearer error), its own function answers instead of the runtime's method.
-_OWN: dict[str, Callable[..., Any]] = {
-    "exec": _exec, "spawn": _spawn, "status": _status, "resume": _resume, "link": _link,
-}
+# Where this host adds to a verb (metrics, the processes it keeps, a clearer error), its own
+# function answers instead of the runtime's method.
+_OWN: dict[str, Callable[..., Any]] = {"exec": _exec, "spawn": _spawn, "link": _link}
 
 
 def _watch(host: SandboxHost) -> None:
@@ -446,6 +529,9 @@ def _watch(host: SandboxHost) -> None:
             items = list(here.pgs.items())
             jobs = dict(here.jobs)
             actors = dict(here.actors)
+            asleep = dict(here.asleep)  # suspended: owned by their job and actor still
+        jobs.update({sid: a.job for sid, a in asleep.items() if a.job})
+        actors.update({sid: a.actor for sid, a in asleep.items() if a.actor})
         live = set(host._rt.list())
         dead_jobs = _dead_jobs() if jobs else set()
         dead_actors = {a for a in set(actors.values()) if _actor_dead(a)}
@@ -454,10 +540,11 @@ def _watch(host: SandboxHost) -> None:
             next_sweep = time.monotonic() + every
             gone = {pg for pg in {pg for _, pg in items} if pg_gone(pg)}
             sweep_dead_nodes()
+            host._sleep.sweep_moved()
         if _retire_if_idle(host):
             return
         host._blocks.shrink()
-        for sid, pg_hex in items:
+        for sid, pg_hex in [*items, *((sid, None) for sid in asleep)]:
             if sid not in live:  # ended by its TTL or idle timeout
                 here.forget(sid)
             elif jobs.get(sid) in dead_jobs or pg_hex in gone or \
@@ -503,6 +590,7 @@ def _retire_if_idle(host: SandboxHost) -> bool:
     if host._channel is not None:
         host._channel.close()
     host._stock.close()
+    host._sleep.close()
     host._rt.close()  # the stock's deletes and every other teardown finish first
     host._blocks.release_all()
     log.info("idle for %.0fs: the sandbox host on %s retires", host._idle_limit, host.node_id)
@@ -519,7 +607,7 @@ def _retire_if_idle(host: SandboxHost) -> bool:
 # The table's verbs name their group at the call (``call.options(concurrency_group=...)``).
 WORK_METHODS = ("stream", "process", "read_out", "write_in", "snapshot",
                 "snapshot_filesystem")
-CREATE_METHODS = ("create", "create_many", "restore", "suspend")
+CREATE_METHODS = ("create", "create_many", "restore", "suspend", "wake", "take_over")
 for _name in WORK_METHODS:
     setattr(SandboxHost, _name, ray.method(concurrency_group="work")(getattr(SandboxHost, _name)))
 for _name in CREATE_METHODS:

@@ -9,8 +9,6 @@ import ray
 NAMESPACE = "ray_sandbox"
 HOST_PREFIX = "host-"  # a host actor's name: this, then its node's id
 NAME_LABEL = "ray-sandbox/name"
-SUSPENDED_LABEL = "ray-sandbox/suspended"  # snapshot label: id of the sandbox it suspends
-DETACHED_LABEL = "ray-sandbox/detached"  # snapshot label: the suspended sandbox was detached
 OWNER_ACTOR_LABEL = "ray-sandbox/owner-actor"  # the proxy actor (Sandbox.remote) it dies with
 
 

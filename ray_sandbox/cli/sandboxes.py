@@ -176,10 +176,15 @@ def ps(
     table = Table("ID", "STATE", "IMAGE", "NETWORK", "CREATED", "OWNER")
     for r in rows:
         state = r["state"] + (f" ({r['reason']})" if r["reason"] else "")
-        owner = "stock" if r["stock"] else r["owner_pid"] or "detached"
+        owner = "stock" if r.get("stock") else r.get("owner_pid") or "detached"
         cells = (r["sandbox_id"][:12], state, r["image"], r["network"], r["created_at"], owner)
         table.add_row(*(Text("" if v is None else str(v)) for v in cells))  # never markup
     Console().print(table)
+    asleep = [r for r in rows if r["state"] == "SUSPENDED"]
+    if asleep:
+        size = sum(r.get("suspended_bytes") or 0 for r in asleep)
+        Console().print(Text(f"{len(asleep)} suspended, {size / 2**20:.1f} MiB of checkpoints "
+                             "on disk"))
 
 
 # The label the Ray hosts' stock puts on the sandboxes it holds (actor/stock.py STOCK_LABEL;
@@ -200,11 +205,14 @@ def _local_ps(show_all: bool) -> list[dict[str, Any]]:
             st = rt.get_status(sid)
         except SandboxError:
             continue
+        sus = rt.suspensions.state(sid) if st.state.value == "SUSPENDED" else None
         rows.append({
             "sandbox_id": sid, "state": st.state.value, "reason": st.reason,
             "image": rec.image, "network": rec.config.get("network"),
             "created_at": st.created_at.isoformat() if st.created_at else None,
             "owner_pid": rec.owner_pid, "stock": stock,
+            "suspended_at": st.suspended_at.isoformat() if st.suspended_at else None,
+            "suspended_bytes": sus.size_bytes if sus else None,
         })
     return rows
 

@@ -322,6 +322,13 @@ class SandboxConfig(BaseModel):
         None, description="deleted after this long without a call into it (exec, files, "
         "run_python, spawn) while no exec or spawned process runs (Modal's idle_timeout); "
         "enforced by the process that owns it (a node's host); None = never")
+    idle_suspend_seconds: float | None = Field(
+        None, description="suspended after this long without a call into it (the same use "
+        "as idle_timeout_seconds): its memory and Ray reservation are released, its "
+        "processes, files, network address, published ports, links and volumes kept on "
+        "the node, and the next call of any kind resumes it first (docs/snapshots.md, "
+        "'Idle suspend'); network 'none' or 'sandbox' only (runsc cannot checkpoint the "
+        "host's sockets); None = never")
     timeout_seconds: float | None = Field(300.0, description="default timeout for exec calls")
     network: NetworkMode = "none"
     dns: tuple[str, ...] | None = None
@@ -490,7 +497,8 @@ class SandboxConfig(BaseModel):
             raise ValueError(f"invalid user {v!r}")
         return v
 
-    @field_validator("ttl_seconds", "timeout_seconds", "idle_timeout_seconds")
+    @field_validator("ttl_seconds", "timeout_seconds", "idle_timeout_seconds",
+                     "idle_suspend_seconds")
     @classmethod
     def _positive(cls, v: float | None, info: Any) -> float | None:
         if v is not None and not (v > 0 and math.isfinite(v)):
@@ -556,6 +564,9 @@ class SandboxConfig(BaseModel):
             raise ValueError("expose_ports= needs network='public' or 'sandbox'")
         if self.network == "sandbox" and self.effective_rootless:
             raise ValueError("network='sandbox' needs rootful mode (rootless=False, as root)")
+        if self.idle_suspend_seconds is not None and self.network in ("public", "host"):
+            raise ValueError(f"idle_suspend_seconds needs network 'none' or 'sandbox': runsc "
+                             f"cannot checkpoint the host's sockets that {self.network!r} uses")
         if isinstance(self.disk, int) and self.effective_rootless:
             raise ValueError("disk= needs rootful mode (a loop-mounted filesystem; as root)")
         if self.rootless is False and os.geteuid() != 0:
@@ -616,6 +627,7 @@ class SandboxConfig(BaseModel):
 # the exec defaults, an nft policy): everything else shapes its boot.
 PERSONAL_FIELDS = frozenset({"env", "labels", "ttl_seconds", "timeout_seconds", "user",
                              "workdir", "egress", "shell", "idle_timeout_seconds",
+                             "idle_suspend_seconds",
                              "pull_network"})  # how its image was fetched: before any boot
 
 

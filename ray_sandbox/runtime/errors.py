@@ -29,6 +29,8 @@
     │   └── VolumeNotFoundError       no volume of that name
     ├── SandboxStateError             operation not allowed in the sandbox's current state
     │   ├── HostRetiringError         the node's Ray host is retiring; a fresh one can serve
+    │   ├── ResumeError               a suspended sandbox could not be resumed; its state is
+    │   │                             kept on disk and the next call tries again
     │   └── VolumeInUseError          the volume is mounted and the operation needs it idle
     ├── SandboxDiedError              the sandbox died during the call (OOM kill, crash)
     │   └── AgentTimeoutError         agent missed a deadline (hung, stopped); also TimeoutError
@@ -133,6 +135,7 @@ __all__ = [
     "VolumeNotFoundError",
     "VolumeInUseError",
     "HostRetiringError",
+    "ResumeError",
     "SessionError",
     "SandboxExecError",
     "SandboxTimeoutError",
@@ -372,6 +375,11 @@ class VolumeInUseError(SandboxStateError):
 
 class HostRetiringError(SandboxStateError):
     """The node's host is retiring (idle); the call can go to a fresh host."""
+
+
+class ResumeError(SandboxStateError):
+    """A suspended sandbox could not be resumed (runsc restore or its agent failed); its
+    checkpoint stays on disk and the next call into it tries again."""
 
 
 class SessionError(SandboxError):

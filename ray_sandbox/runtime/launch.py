@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from . import _mount, bundle, disk, docker, network, procfs
+from . import _mount, bundle, checkpoint, disk, docker, network, procfs
 from ._inotify import DirWatch
 from .agent.client import AgentClient
 from .bundle import SandboxDir
@@ -270,6 +270,51 @@ class Launcher:
         self._wait_ready(sandbox_id, sdir)
         return self._records.set_phase(rec, "created")
 
+    def resume_in_place(self, rec: SandboxRecord, image: Path, *, detach: bool,
+                        readdressed: bool = False,
+                        timings: dict[str, float] | None = None) -> SandboxRecord:
+        """Start a sandbox suspended in place again from its checkpoint ``image``, in its
+        own directory: its root overlay, disk, volume binds, network (netns, veth, address,
+        published ports, links) and record stayed while it slept, so this is ``runsc
+        restore`` and the agent's readiness only. Owned by this process unless ``detach``.
+        On failure the half-started container is removed and the checkpoint kept; the
+        caller raises (a retry starts over). ``timings`` gets each step's seconds."""
+        sandbox_id = rec.sandbox_id
+        sdir = self._records.sdir(sandbox_id)
+        (sdir.run / checkpoint.HOLD_FILE).unlink(missing_ok=True)  # a suspend cut short
+        steps = timings if timings is not None else {}
+        t = time.perf_counter()
+
+        def step(name: str) -> None:
+            nonlocal t
+            now = time.perf_counter()
+            steps[name] = now - t
+            t = now
+
+        try:
+            if self.runsc.has_container(sandbox_id):  # a resume that failed or was cut short
+                self.runsc.kill_sandbox(sandbox_id)
+                self.runsc.delete(sandbox_id)
+                readdressed = False  # its restore took the address again
+            prefix = network.reattach(sandbox_id, sdir.path, readdress=not readdressed)
+            step("network")
+            self.runsc.restore_detached(sandbox_id, sdir.bundle, image, rec.runsc_flags,
+                                        prefix=prefix, log_dir=sdir.path)
+            step("runsc_restore")
+            bundle.apply_cpu_share(sandbox_id, rec.sandbox_config)
+            step("cpu_share")
+            self._wait_ready(sandbox_id, sdir)
+            step("agent_ready")
+        except BaseException:
+            self._connections.close(sandbox_id)
+            self.runsc.kill_sandbox(sandbox_id)
+            with contextlib.suppress(SandboxError):
+                self.runsc.delete(sandbox_id)
+            raise
+        rec = rec.model_copy(update={"phase": "created", **owner_fields(detach)})
+        self._records.write(rec)
+        return rec
+
     def _pin_owner(self, sandbox_id: str) -> str:
         return self._pin_prefix + sandbox_id
 
@@ -486,6 +531,7 @@ class Launcher:
             except OSError as exc:  # not a file: the mounts below must still go
                 errors.append(SandboxError(f"runsc left {leftover}: {exc}",
                                            sandbox_id=sandbox_id))
+        checkpoint.remove_suspended(sdir)  # a suspended sandbox's, also on a shared path
         had_volumes = sdir.volumes.is_dir()
         for point in _mount.mounts_under(sdir.path):
             _mount.unmount(point)

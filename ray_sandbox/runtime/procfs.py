@@ -87,6 +87,18 @@ def pids_exhausted(sandbox_id: str) -> bool:
                           CGROUP_ROOT / sandbox_id / "pids.events")
 
 
+def memory_used(sandbox_id: str) -> int | None:
+    """Bytes the sandbox's memory cgroup charges now (cgroup v1, then v2); None without one."""
+    for path in (CGROUP_ROOT / "memory" / sandbox_id / "memory.usage_in_bytes",
+                 CGROUP_ROOT / sandbox_id / "memory.current"):
+        try:
+            with open(path, "rb") as f:
+                return int(f.read(64).strip() or 0)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 def is_running(pid: int, start: int | None) -> bool:
     """Whether ``pid`` still names the process that started at ``start`` ticks. A zombie
     counts as gone: its parent (e.g. a subreaper that does not collect it) may never reap."""

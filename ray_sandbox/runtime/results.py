@@ -111,8 +111,9 @@ class SandboxStatus(BaseModel):
 
     sandbox_id: str
     state: SandboxState
-    reason: str | None = None  # e.g. "OOMKilled", "Exited", "TTLExpired", "Deleted"
+    reason: str | None = None  # e.g. "OOMKilled", "Exited", "TTLExpired", "Deleted", "Idle"
     created_at: datetime | None = None
+    suspended_at: datetime | None = None  # SUSPENDED since then (reason: "Idle" or "Suspended")
     image: str | None = None
     labels: dict[str, str] = Field(default_factory=dict)
 

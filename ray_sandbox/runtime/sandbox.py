@@ -80,6 +80,7 @@ from .results import (
 from .runsc import Runsc
 from .secrets import SecretStore
 from .snapshot import Snapshot, SnapshotDir, SnapshotStore, copy_tree
+from .suspension import SUSPENDED, Suspensions
 from .verbs import (
     VERBS,
     CommandRequest,
@@ -216,6 +217,8 @@ class SandboxRuntime:
                                   self.images, self.volumes)
         self._ttl = reaper.TtlTimer(self._expire)
         self._idle = reaper.TtlTimer(self._idle_check)
+        self.suspensions = Suspensions(self.records, self._launcher, self._connections,
+                                       self._watch_idle, self._stop_pythons)
         _subreaper.ensure()
         if reap:
             self.gc()
@@ -256,8 +259,15 @@ class SandboxRuntime:
         self.records.adopt(rec)
         if rec.ttl_deadline is not None:
             self._ttl.schedule(rec.sandbox_id, rec.ttl_deadline)
-        if idle := rec.config.get("idle_timeout_seconds"):
-            self._idle.schedule(rec.sandbox_id, time.time() + idle)
+        self._watch_idle(rec)
+
+    def _watch_idle(self, rec: SandboxRecord) -> None:
+        """Look at the sandbox's idleness when its idle limit could first pass (also after a
+        resume in place: ``suspensions``)."""
+        limits = [v for k in ("idle_timeout_seconds", "idle_suspend_seconds")
+                  if (v := rec.config.get(k))]
+        if limits:
+            self._idle.schedule(rec.sandbox_id, time.time() + min(limits))
 
     def personalize(
         self,
@@ -301,32 +311,62 @@ class SandboxRuntime:
             self._launcher.destroy(sandbox_id, reason="TTLExpired")
 
     def _idle_check(self, sandbox_id: str) -> None:
-        """Delete the sandbox if nothing used it for its ``idle_timeout_seconds``, else look
-        again when that could next be true (each second while a call or process runs)."""
+        """Delete the sandbox if nothing used it for its ``idle_timeout_seconds``, suspend it
+        (``suspensions.idle``, a Ray host's; else in place here) if nothing used it for its
+        ``idle_suspend_seconds``, else look again when that could next be true (each second
+        while a call or process runs)."""
         if not self.records.owns(sandbox_id):
             return  # deleted, or handed to another owner
         try:
             rec = self.records.get(sandbox_id)
         except SandboxError:
             return
-        limit = rec.config.get("idle_timeout_seconds")
-        if not limit:
-            return  # personalized without one
+        delete_after = rec.config.get("idle_timeout_seconds")
+        asleep = rec.phase == SUSPENDED
+        suspend_after = None if asleep else rec.config.get("idle_suspend_seconds")
+        if not (delete_after or suspend_after):
+            return  # personalized without one, or suspended without a deadline
         now = time.monotonic()
         since = now - max(time.time() - rec.created_at, 0.0)  # handed out or created
         client = self._connections.peek(sandbox_id)
-        if client is not None:
+        if asleep:
+            state = self.suspensions.state(sandbox_id)
+            if state is not None:
+                since = now - max(time.time() - state.last_used, 0.0)
+        elif client is not None:
             used = client.idle_since()
-            if used is None:  # in use: idle time counts from now at the earliest
+            if used is None or self.suspensions.busy(sandbox_id):
+                # in use: idle time counts from now at the earliest
                 client.touch()
+                limit = min(v for v in (delete_after, suspend_after) if v)
                 self._idle.schedule(sandbox_id,
                                     time.time() + min(limit, _IDLE_BUSY_RECHECK_S))
                 return
             since = max(since, used)
-        if now - since >= limit:
+        idle_for = now - since
+        if delete_after and idle_for >= delete_after:
             self._launcher.destroy(sandbox_id, reason="IdleTimeout")
-        else:
-            self._idle.schedule(sandbox_id, time.time() + (since + limit - now))
+            return
+        if suspend_after and idle_for >= suspend_after:
+            if self._suspend_idle(sandbox_id, time.time() - idle_for):
+                if delete_after:  # its idle timeout still counts while it sleeps
+                    self._idle.schedule(sandbox_id, time.time() + (delete_after - idle_for))
+            else:  # refused for now (in use meanwhile, no disk budget): later
+                self._idle.schedule(sandbox_id, time.time() + suspend_after)
+            return
+        wait = min(v for v in (delete_after, suspend_after) if v) - idle_for
+        self._idle.schedule(sandbox_id, time.time() + wait)
+
+    def _suspend_idle(self, sandbox_id: str, last_used: float) -> bool:
+        """Whether the idle sandbox was suspended (or a Ray host took it to suspend)."""
+        if self.suspensions.idle is not None:
+            return self.suspensions.idle(sandbox_id)
+        try:
+            self.suspensions.suspend(sandbox_id, reason="Idle", drain_timeout=0.0,
+                                     last_used=last_used)
+            return True
+        except SandboxError:
+            return False
 
     def delete(self, sandbox_id: str, *, wait: bool = False) -> None:
         """Stop the sandbox and remove everything it owns. Idempotent. On return it can no
@@ -441,7 +481,8 @@ class SandboxRuntime:
         snap, sd = self.snapshots.open(snapshot)
         sd.verify(snap)
         config = dict(snap.config)
-        config["expose_ports"] = ()  # published ports are leased node-wide: not the source's
+        if sandbox_ids != [snap.source_id]:  # a copy; a move (its own id) keeps them
+            config["expose_ports"] = ()  # published ports are leased node-wide
         if labels is not None:
             config["labels"] = dict(labels)
         cfg = make_config(config)
@@ -564,6 +605,12 @@ class SandboxRuntime:
         rec = self.records.load(sandbox_id)
         if rec is None:
             raise SandboxNotFoundError("no such sandbox", sandbox_id=sandbox_id)
+        if rec.phase == SUSPENDED and (sus := self.suspensions.state(sandbox_id)):
+            return SandboxStatus(
+                sandbox_id=sandbox_id, state=SandboxState.SUSPENDED, reason=sus.reason,
+                created_at=datetime.fromtimestamp(rec.created_at, tz=UTC),
+                suspended_at=datetime.fromtimestamp(sus.since, tz=UTC), image=rec.image,
+                labels=rec.config.get("labels", {}))
         try:
             runsc_status: str | None = self.runsc.state(sandbox_id).status
         except SandboxNotFoundError:
@@ -591,6 +638,11 @@ class SandboxRuntime:
 
     def _client(self, sandbox_id: str) -> AgentClient:
         rec = self.records.get(sandbox_id)
+        if rec.phase == SUSPENDED or self.suspensions.busy(sandbox_id):
+            if not self.suspensions.auto_resume:
+                raise SandboxStateError("sandbox is suspended", sandbox_id=sandbox_id)
+            self.suspensions.resume(sandbox_id)  # the caller sees only the latency
+            rec = self.records.get(sandbox_id)
         if rec.phase == "paused":
             # Its processes are frozen: a call would only hang until its deadline.
             raise SandboxStateError("sandbox is paused; resume it first", sandbox_id=sandbox_id)

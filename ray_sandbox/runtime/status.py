@@ -11,6 +11,8 @@ from .results import SandboxState
 def derive(rec: SandboxRecord, runsc_status: str | None) -> tuple[SandboxState, str | None]:
     """The state and reason of a sandbox whose runsc container is ``runsc_status`` (None:
     runsc has no such container)."""
+    if rec.phase == "suspended":  # in place, its container gone (suspension.py)
+        return SandboxState.SUSPENDED, None
     if runsc_status is None:
         if rec.phase == "creating":
             return SandboxState.PENDING, None

@@ -444,6 +444,11 @@ def _workdir(_: Ask) -> None:
     """any path the runtime accepts; with a read-only root it is on the capped disk"""
 
 
+def _suspend(_: Ask) -> None:
+    """any value the runtime accepts: the node keeps the suspended state on its disk, within
+    its budget for suspended sandboxes (past it the sandbox stays running, never deleted)"""
+
+
 def _never(a: Ask) -> None:
     """code; it cannot cross to a tenant"""
     if a.config.spec_transform is not None:
@@ -454,7 +459,8 @@ RULES: dict[str, Rule] = {
     "image": _image, "cpu": _limit("cpu", "max_cpu"), "memory": _limit("memory", "max_memory"),
     "disk": _disk, "pids_limit": _pids, "env": _free, "workdir": _workdir, "volumes": _volumes,
     "shell": _free, "readonly": _free, "capabilities": _caps, "user": _free, "ttl_seconds": _ttl,
-    "idle_timeout_seconds": _free, "timeout_seconds": _free, "network": _network, "dns": _dns,
+    "idle_timeout_seconds": _free, "idle_suspend_seconds": _suspend, "timeout_seconds": _free,
+    "network": _network, "dns": _dns,
     "egress": _egress, "expose_ports": _ports, "rootless": _operator("rootless"),
     "platform": _operator("platform"), "directfs": _operator("directfs"), "docker": _docker,
     "labels": _labels, "spec_transform": _never, "pull_network": _pulls,

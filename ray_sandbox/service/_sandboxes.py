@@ -291,7 +291,21 @@ class Sandboxes:
         if state == SandboxState.TERMINATED:
             self._entries.pop(api_id, None)
             raise _errors.refusal(404, f"no sandbox {api_id!r}")
+        if state == SandboxState.SUSPENDED and h.node_id is not None:
+            # a request to one of its ports wakes it, and is forwarded once it is back
+            node = await self._wake_on(h.node_id, h.sandbox_id)
+            if node != h.node_id:  # resumed on another node: its port is there now
+                host = await self._blocking(partial(host_for_node, node))
+                entry.handle = actor.SandboxHandle(h.sandbox_id, host, name=h.name,
+                                                   node_id=node)
         return entry
+
+    async def _wake_on(self, node_id: str, sandbox_id: str) -> str:
+        """Resume a suspended sandbox through its node's host; the node it runs on now."""
+        host = await self._blocking(partial(host_for_node, node_id))
+        node, _ = await self.call(host.wake.options(concurrency_group="create").remote(
+            sandbox_id))
+        return str(node)
 
     async def _state_on(self, node_id: str, sandbox_id: str) -> SandboxState:
         """The sandbox's state, asked of its node's host now. A host this replica holds a
@@ -321,8 +335,11 @@ class Sandboxes:
             if len(self._nodes_seen) >= MAX_NODES_SEEN:
                 self._nodes_seen.clear()
             self._nodes_seen[node_id] = time.monotonic()
-        if await self._state_on(node_id, sandbox_id) == SandboxState.TERMINATED:
+        state = await self._state_on(node_id, sandbox_id)
+        if state == SandboxState.TERMINATED:
             raise gone
+        if state == SandboxState.SUSPENDED:  # its port's request wakes it
+            return await self._wake_on(node_id, sandbox_id)
         return node_id
 
     async def port_owner(self, sandbox_id: str) -> tuple[str | None, str | None]:

@@ -123,6 +123,7 @@ CAUGHT_BY = {
     "SnapshotNotFoundError": {"SandboxError", "SandboxNotFoundError"},
     "SandboxStateError": {"SandboxError"},
     "HostRetiringError": {"SandboxError"},
+    "ResumeError": {"SandboxError"},
     "ImageBuildError": {"SandboxError"},
     "VolumeExistsError": {"SandboxError"},
     "SandboxExistsError": {"SandboxError"},

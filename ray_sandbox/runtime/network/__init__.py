@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __all__ = ["NetworkAttachment", "address", "attach", "detach", "gc", "leftovers", "link", "links",
-           "set_egress", "unlink"]
+           "reattach", "set_egress", "unlink"]
 
 if TYPE_CHECKING:
     from ._lifecycle import (
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
         leftovers,
         link,
         links,
+        reattach,
         set_egress,
         unlink,
     )

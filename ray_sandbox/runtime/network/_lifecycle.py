@@ -287,6 +287,30 @@ def _endpoints(st: NetworkState) -> dict[int, tuple[str, int]]:
     return {p: (st.expose_addr, p) for p in st.ports}
 
 
+def reattach(sandbox_id: str, state_dir: Path, *, readdress: bool = True) -> list[str]:
+    """Ready a network that stayed attached while its sandbox was suspended (its netns,
+    veth, nft table, leases and helpers were kept) for ``runsc restore`` of that sandbox;
+    returns the prefix the restore runs under (:attr:`NetworkAttachment.run_prefix`).
+    ``--network=sandbox`` takes the veth's address and routes out of the netns when it
+    starts and builds its interfaces from what it finds there at a restore too, so they
+    are put back (``replace``: a failed restore may have left them); ``readdress=False``
+    when that was done already (at the suspend)."""
+    st = _state.load(state_dir)
+    if st is None or st.mode != "sandbox":
+        if st is not None and st.mode == "public":
+            raise ConfigError("a network='public' sandbox cannot be restored in place",
+                              sandbox_id=sandbox_id)
+        return []
+    if not st.netns or not st.link or not st.subnet:
+        raise NetworkError("the sandbox's network is not complete", sandbox_id=sandbox_id)
+    if not readdress:
+        return _netns.mask_proc_sys_net()
+    net = ipaddress.IPv4Network(st.subnet)
+    ip.batch(st.netns, ["link set lo up", f"addr replace {net[2]}/{net.prefixlen} dev eth0",
+                        "link set eth0 up", f"route replace default via {net[1]}"])
+    return _netns.mask_proc_sys_net()
+
+
 def detach(sandbox_id: str, state_dir: Path) -> None:
     """Remove everything attach made for the sandbox (idempotent; works after a crash)."""
     st = _state.load(state_dir)
