@@ -672,6 +672,15 @@ class AgentClient:
         raw = _sandbox_path(path, self.sandbox_id)
         return (_to_info(e, e.path) for e in self._entries(p.Op.WALK, raw, max_entries))
 
+    def entries(self, path: PathArg, *, recursive: bool = False,
+                max_entries: int | None = LIST_MAX_ENTRIES) -> Iterator[p.Entry]:
+        """The raw stat records of a directory's entries (``Entry.path`` is the name) or,
+        ``recursive``, of everything below it (``path`` relative, parents first, links not
+        followed), with the inode, device and link count :meth:`walk` leaves out. As they
+        come, in the directory's order; more than ``max_entries`` raises SandboxFileError."""
+        raw = _sandbox_path(path, self.sandbox_id)
+        return self._entries(p.Op.WALK if recursive else p.Op.LISTDIR, raw, max_entries)
+
     def mkdir(self, path: PathArg, *, parents: bool = True, mode: int = 0o755) -> None:
         """Creates a directory; with ``parents`` missing parents too and an existing
         directory is fine (``mkdir -p``)."""

@@ -95,6 +95,9 @@ class Tag(enum.IntEnum):
     GID = 43
     MTIME_NS = 44
     LINK = 45
+    INO = 46
+    NLINK = 47
+    DEV = 48
 
 
 
@@ -230,6 +233,9 @@ class Entry:
     gid: int
     mtime_ns: int
     link: bytes | None
+    ino: int = 0  # with dev and nlink: which names are hard links of one file
+    nlink: int = 1
+    dev: int = 0
 
 
 def parse_entry(payload: bytes | bytearray) -> Entry:
@@ -244,4 +250,7 @@ def parse_entry(payload: bytes | bytearray) -> Entry:
         gid=_int(f, Tag.GID),
         mtime_ns=_int(f, Tag.MTIME_NS),
         link=link[-1] if link else None,
+        ino=_int(f, Tag.INO, 0),
+        nlink=_int(f, Tag.NLINK, 1),
+        dev=_int(f, Tag.DEV, 0),
     )

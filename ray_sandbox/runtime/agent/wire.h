@@ -34,6 +34,7 @@ enum {
     G_ERRNO = 30, G_MESSAGE = 31, G_PID = 32, G_EXIT_CODE = 33, G_SIGNAL = 34,
     G_TIMED_OUT = 35, G_TRUNCATED = 36, G_DURATION_US = 37, G_RETIRE = 38, G_VERSION = 39,
     G_TYPE = 40, G_SIZE = 41, G_UID = 42, G_GID = 43, G_MTIME_NS = 44, G_LINK = 45,
+    G_INO = 46, G_NLINK = 47, G_DEV = 48,
 };
 
 struct frame {
