@@ -43,16 +43,17 @@ import secrets
 import shutil
 import stat
 import tarfile
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from . import archive, paths
 from .agent import SANDBOX_RUN_DIR
 from .agent import protocol as p
-from .agent.client import AgentClient
+from .agent.client import READS_MAX_BYTES, AgentClient
 from .errors import ImageError, SandboxFileError, StoreFullError, UnsafePathError
 from .images import Image, ImageStore
 from .images.models import ImageConfig
@@ -74,6 +75,10 @@ _WH = ".wh."  # a layer's whiteout prefix: such names are never written into a l
 _OPAQUE_XATTR = "trusted.overlay.opaque"
 _MEMBER_OVERHEAD = 3 * tarfile.BLOCKSIZE  # a member's header and PAX header, counted
 _TAR_SLACK = 1 << 20  # the layer's end blocks and padding beyond what was counted
+_READS_FILES = 512  # files per READS request, at most
+_READS_PATHS = READS_MAX_BYTES // 2  # ... and bytes of their paths
+_READS_ITEM = 32  # a path's TLV headers and its length's TLV
+_OPEN_DIRS = 64  # directories of a diff kept open at once
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _REF_RE = re.compile(rf"^oci:/(?:.*/)?{DIR}/([0-9a-zA-Z_-]{{1,64}})/([0-9a-f]{{32}}):{REF_NAME}$")
 
@@ -367,10 +372,10 @@ def _member(client: AgentClient, info: FileInfo, sandbox_id: str) -> Iterator[by
         yield from _exactly(client.iter_read(info.path, length=info.size), info.size)
 
 
-def _exactly(chunks: Iterable[bytes], size: int, *, pad: bool = True) -> Iterator[bytes]:
+def _exactly(chunks: Iterable[bytes], size: int) -> Iterator[bytes]:
     """``size`` bytes and the block padding: a file that changed or went away while it was
     read is cut or zero-filled, so the tar stays well formed (a busy file's copy is not
-    atomic). Without ``pad``, at most ``size`` bytes: what arrived, cut."""
+    atomic)."""
     left = size
     try:
         for chunk in chunks:
@@ -380,8 +385,6 @@ def _exactly(chunks: Iterable[bytes], size: int, *, pad: bool = True) -> Iterato
             left -= min(len(chunk), left)
     except SandboxFileError:
         pass  # gone or unreadable since the walk saw it: the zeros below stand for it
-    if not pad:
-        return
     while left > 0:
         fill = min(left, archive.TRANSFER_CHUNK)
         yield b"\0" * fill
@@ -408,7 +411,10 @@ class _Diff:
         self.dirs: dict[str, p.Entry] = {}  # the sandbox's directories met, by relative path
         self.made: dict[str, int] = {}  # directories made in the diff -> their mtime (ns)
         self.links: dict[tuple[int, int], tuple[str, int, int]] = {}  # (dev, ino) -> first
-        self._fd: tuple[str, int] | None = None  # the last directory written to, open
+        self.queue: list[tuple[str, p.Entry]] = []  # files whose content is to be read
+        self.queued = 0  # the size of their READS request, roughly
+        self.linked: list[tuple[str, str]] = []  # (first name, hard link) to make
+        self._fds: OrderedDict[str, int] = OrderedDict()  # directories of the diff, open
 
     def run(self) -> None:
         try:
@@ -418,19 +424,15 @@ class _Diff:
             todo = [""]  # directories in both roots whose content changed
             while todo:
                 todo += self._visit(todo.pop())
-            self._close_fd()
+            self._flush()
             for rel, mtime in self.made.items():
-                fd = self._open_dir(rel, make=False)
-                try:
-                    os.utime(fd, ns=(mtime, mtime))
-                finally:
-                    os.close(fd)
+                os.utime(self._dir_fd(rel, make=False), ns=(mtime, mtime))
             st = os.lstat(self.base)  # the root itself: the image's
             os.fchown(self.root, st.st_uid, st.st_gid)
             os.fchmod(self.root, stat.S_IMODE(st.st_mode))
             os.utime(self.root, ns=(st.st_mtime_ns, st.st_mtime_ns))
         finally:
-            self._close_fd()
+            self._close_fds()
             os.close(self.root)
 
     # -- the comparison -----------------------------------------------------------------------
@@ -543,38 +545,68 @@ class _Diff:
 
     def _dir(self, path: str) -> None:
         self._announce(path, 0)
-        os.close(self._open_dir(path, make=True))
+        self._dir_fd(path, make=True)
 
     def _file(self, path: str, e: p.Entry) -> None:
+        """Queue the file (its content is read in batches: :meth:`_flush`); a hard link of
+        a file met before becomes a link to it in the diff."""
         self._announce(path, e.size)
-        fd = self._parent_fd(path)
-        name = path.rpartition("/")[2]
         key = (e.dev, e.ino)
         first = self.links.get(key) if e.nlink > 1 else None
         if first is not None and first[1:] == (e.size, e.mtime_ns):
-            src = self._open_dir(first[0].rpartition("/")[0], make=False)
-            try:
-                os.link(first[0].rpartition("/")[2], name, src_dir_fd=src, dst_dir_fd=fd,
-                        follow_symlinks=False)
-            except FileExistsError:
-                pass
-            finally:
-                os.close(src)
-            return
+            self.linked.append((first[0], path))
+        else:
+            if e.nlink > 1:
+                self.links.setdefault(key, (path, e.size, e.mtime_ns))
+            self.queue.append((path, e))
+            self.queued += len(path) + _READS_ITEM
+        if len(self.queue) >= _READS_FILES or self.queued >= _READS_PATHS:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Read the queued files through the agent, a batch per request, into the diff;
+        then make the hard links whose first name is written."""
+        queue, self.queue, self.queued = self.queue, [], 0
+        out: BinaryIO | None = None
+        at = -1
         try:
-            out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                          | os.O_CLOEXEC, 0o600, dir_fd=fd)
+            for i, data in self.client.read_files([("/" + path, e.size) for path, e in queue]):
+                if i != at:  # the next file begins
+                    at = i
+                    out = self._create(queue[i][0])
+                if data is not None:
+                    if out is not None:
+                        out.write(data)
+                    continue
+                if out is not None:  # ended: short (gone, or not a file now) reads as zeros
+                    out.truncate(queue[i][1].size)
+                    _set_meta(out.fileno(), queue[i][1])
+                    out.close()
+                    out = None
+        finally:
+            if out is not None:
+                out.close()
+        linked, self.linked = self.linked, []
+        for first, path in linked:
+            self._link(first, path)
+
+    def _create(self, path: str) -> BinaryIO | None:
+        fd = self._parent_fd(path)
+        try:
+            out = os.open(path.rpartition("/")[2], os.O_WRONLY | os.O_CREAT | os.O_EXCL
+                          | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=fd)
         except FileExistsError:
-            return  # listed twice: the first one stays
-        with os.fdopen(out, "wb") as f:
-            for chunk in _exactly(self.client.iter_read("/" + path, length=e.size), e.size,
-                                  pad=False):
-                f.write(chunk)
-            if f.tell() < e.size:
-                f.truncate(e.size)  # gone while read: the rest reads as zeros, sparse here
-            _set_meta(f.fileno(), e)
-        if e.nlink > 1:
-            self.links.setdefault(key, (path, e.size, e.mtime_ns))
+            return None  # listed twice: the first one stays
+        return os.fdopen(out, "wb")
+
+    def _link(self, first: str, path: str) -> None:
+        fd = self._parent_fd(path)
+        src = self._dir_fd(first.rpartition("/")[0], make=False)
+        try:
+            os.link(first.rpartition("/")[2], path.rpartition("/")[2], src_dir_fd=src,
+                    dst_dir_fd=fd, follow_symlinks=False)
+        except (FileExistsError, FileNotFoundError):
+            pass  # listed twice, or its first name was
 
     def _symlink(self, path: str, e: p.Entry) -> None:
         if e.link is None or b"\0" in e.link:
@@ -590,51 +622,50 @@ class _Diff:
         os.utime(name, ns=(e.mtime_ns, e.mtime_ns), dir_fd=fd, follow_symlinks=False)
 
     def _parent_fd(self, path: str) -> int:
-        """An open fd of ``path``'s directory in the diff (made as needed), kept for the
-        next entry of the same directory."""
-        parent = path.rpartition("/")[0]
-        if self._fd is None or self._fd[0] != parent:
-            self._close_fd()
-            self._fd = (parent, self._open_dir(parent, make=True))
-        return self._fd[1]
+        """The open fd of ``path``'s directory in the diff, made as needed."""
+        return self._dir_fd(path.rpartition("/")[0], make=True)
 
-    def _close_fd(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd[1])
-            self._fd = None
-
-    def _open_dir(self, rel: str, *, make: bool) -> int:
-        """``rel`` in the diff, one component at a time and never through a link; with
-        ``make``, missing directories are made with the sandbox's metadata of them."""
-        fd = os.dup(self.root)
-        done = ""
-        try:
-            for part in rel.split("/") if rel else []:
-                done = _join(done, part)
-                if make and done not in self.made:
-                    e = self.dirs[done]
-                    try:
-                        os.mkdir(part, 0o700, dir_fd=fd)
-                    except FileExistsError:
-                        pass  # listed twice, or made as a parent first
-                    else:
-                        self.made[done] = e.mtime_ns
-                        nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
-                        try:
-                            _set_meta(nfd, e)
-                        finally:
-                            os.close(nfd)
+    def _dir_fd(self, rel: str, *, make: bool) -> int:
+        """``rel`` in the diff, opened one component at a time from the nearest directory
+        already open, never through a link; with ``make``, missing directories are made
+        with the sandbox's metadata of them. The fd stays open (the last _OPEN_DIRS do):
+        the caller does not close it."""
+        parts = rel.split("/") if rel else []
+        k = len(parts)
+        while k and "/".join(parts[:k]) not in self._fds:
+            k -= 1
+        done = "/".join(parts[:k])
+        fd = self.root
+        if k:
+            self._fds.move_to_end(done)
+            fd = self._fds[done]
+        for part in parts[k:]:
+            done = _join(done, part)
+            if make and done not in self.made:
                 try:
+                    os.mkdir(part, 0o700, dir_fd=fd)
+                except FileExistsError:
+                    pass  # listed twice
+                else:
+                    self.made[done] = self.dirs[done].mtime_ns
                     nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
-                except OSError as exc:  # ELOOP/ENOTDIR: what the sandbox listed twice
-                    raise ImageError(f"/{done} is listed both as a directory and not",
-                                     sandbox_id=self.sid) from exc
-                os.close(fd)
-                fd = nfd
-        except BaseException:
-            os.close(fd)
-            raise
+                    try:
+                        _set_meta(nfd, self.dirs[done])
+                    finally:
+                        os.close(nfd)
+            try:
+                nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            except OSError as exc:  # ELOOP/ENOTDIR: what the sandbox listed twice
+                raise ImageError(f"/{done} is listed both as a directory and not",
+                                 sandbox_id=self.sid) from exc
+            self._fds[done] = fd = nfd
+            if len(self._fds) > _OPEN_DIRS:
+                os.close(self._fds.popitem(last=False)[1])
         return fd
+
+    def _close_fds(self) -> None:
+        while self._fds:
+            os.close(self._fds.popitem()[1])
 
 
 def _set_meta(fd: int, e: p.Entry) -> None:
@@ -685,8 +716,7 @@ def _layer(diff: Path) -> Iterator[bytes]:
                 continue
             ti = tarfile.TarInfo(path)
             ti.mode, ti.uid, ti.gid = stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid
-            ns = st.st_mtime_ns
-            ti.mtime = ns // 10**9 if ns % 10**9 == 0 else ns / 10**9
+            ti.mtime = st.st_mtime_ns // 10**9  # whole seconds, as most layers: no PAX header
             if stat.S_ISDIR(st.st_mode):
                 ti.type = tarfile.DIRTYPE
                 yield archive.header(ti)

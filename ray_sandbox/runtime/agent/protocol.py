@@ -36,6 +36,7 @@ class Op(enum.IntEnum):
     CHMOD = 0x0A
     RENAME = 0x0B
     WALK = 0x0C
+    READS = 0x0D
 
 
 class Stream(enum.IntEnum):
@@ -57,6 +58,7 @@ class Reply(enum.IntEnum):
     STDERR = 0x44
     EXIT = 0x45
     ENTRY = 0x46
+    END = 0x47  # READS: one file's data ended
 
 
 class Tag(enum.IntEnum):
@@ -207,6 +209,12 @@ def parse_exit(payload: bytes | bytearray) -> Exit:
 def parse_error(payload: bytes | bytearray) -> tuple[int, str]:
     f = decode_fields(payload)
     return _int(f, Tag.ERRNO), _one(f, Tag.MESSAGE, b"").decode("utf-8", "replace")
+
+
+def parse_end(payload: bytes | bytearray) -> tuple[int, int]:
+    """READS' END frame: (bytes sent for the file, errno; 0 if it was read)."""
+    f = decode_fields(payload)
+    return _int(f, Tag.SIZE), _int(f, Tag.ERRNO, 0)
 
 
 def parse_pid(payload: bytes | bytearray) -> int:
