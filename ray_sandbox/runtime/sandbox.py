@@ -512,8 +512,13 @@ class SandboxRuntime:
         try:
             refused = fs_image.refused(base, self.images)
             if refused is None:  # what changed since boot, as a layer on the image
-                return self.images.add_layer(fs_image.reference(dest), dest,
-                                             parent=base.digest, build=diff)
+                try:
+                    return self.images.add_layer(fs_image.reference(dest), dest,
+                                                 parent=base.digest, build=diff)
+                except BaseException:
+                    with contextlib.suppress(ImageError):  # stored, then not mountable
+                        self.images.remove(fs_image.reference(dest))
+                    raise
             log.info("filesystem image of %s: copying the whole root (%s)", sandbox_id,
                      refused)
             return self.images.get(fs_image.capture(client, sandbox_id, base.config, dest,
