@@ -520,7 +520,16 @@ class _Diff:
                 self._symlink(path, e)
 
     def _skipped(self, path: str) -> bool:
-        return path in self.skip or any(path.startswith(m + "/") for m in self.skip)
+        """Whether ``path`` is a mount point or below one: its ancestors are looked up, so
+        the cost is the path's depth, whatever the number of mounts the sandbox made."""
+        if not self.skip:
+            return False
+        at = path.find("/")
+        while at != -1:
+            if path[:at] in self.skip:
+                return True
+            at = path.find("/", at + 1)
+        return path in self.skip
 
     # -- bounds -----------------------------------------------------------------------------
 
