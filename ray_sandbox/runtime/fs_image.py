@@ -678,7 +678,9 @@ class _Diff:
 
 
 def _set_meta(fd: int, e: p.Entry) -> None:
-    os.fchown(fd, e.uid, e.gid)
+    """Owner, mode and mtime of what this process just made (as root: owned by 0:0)."""
+    if e.uid or e.gid:
+        os.fchown(fd, e.uid, e.gid)
     os.fchmod(fd, e.mode & 0o7777)  # after chown, which clears setuid bits
     os.utime(fd, ns=(e.mtime_ns, e.mtime_ns))
 
