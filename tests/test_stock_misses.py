@@ -55,6 +55,27 @@ def test_a_steady_caller_is_stocked_ahead_and_every_miss_has_a_cause(tmp_path):
         assert set(stats["causes"]) <= set(MISS_CAUSES)
         assert stats["hits"] + stats["misses"] == 6
 
+        # a create that came with its own placement group (no block had room, as admission
+        # falls back to) takes a stocked sandbox of its boot; the stocked one's slot goes back
+        from ray_sandbox.actor.hosts import call_host
+        from ray_sandbox.actor.labels import current_job
+        from ray_sandbox.actor.placement import reserve
+        from ray_sandbox.actor.template import make_template
+
+        t = make_template(**OPTS)
+        stocked = ray.get(host._host.__ray_call__.remote(lambda self: self._stock.ids()),
+                          timeout=30)
+        assert stocked
+        pg_hex, node = reserve(t.bundle, timeout=60)
+        remote, sid = call_host(node, lambda h: h.create.remote(
+            t.config, pg_hex, None, False, owner_job=current_job()), pg_hex)
+        mine = sandbox.SandboxHandle(sid, remote, node_id=node)
+        try:
+            assert sid in stocked
+            assert ray.get(mine.exec.remote(["true"]), timeout=60).exit_code == 0
+        finally:
+            ray.get(mine.terminate.remote(), timeout=60)
+
 
 @pytest.mark.timeout(300)
 def test_under_memory_pressure_nothing_is_stocked(tmp_path):
