@@ -5,7 +5,8 @@ runsc measured in the same run.
 
 Rows (busybox, cpu=1, 48Mi, one local Ray node that advertises 32 logical CPUs so that the
 stock's quarter share is 8 sandboxes of this shape; the machine has 2 cores):
-- ``warm node, sequential`` and ``warm node, paced 5/s``: after 10 warm-up creates, 200
+- ``warm node, sequential`` and ``warm node, paced 5/s``: after 10 warm-up creates (0.2 s
+  apart: a node warmed by the demand it then serves, not by a burst), 200
   (``--steady``) creates one after another (each terminated outside the timed part, the next
   0.2 s later, as the issue measured), then 200 started every 0.2 s; each row gives p50, p99,
   the misses and
@@ -214,8 +215,9 @@ def main() -> None:
             ray.get(warm.terminate.remote())
             time.sleep(2)
             host = warm._host
-            for _ in range(WARMUP):
+            for _ in range(WARMUP):  # the node warms up to the rows' demand
                 ray.get(_create_exec(OPTS)[1].terminate.remote())
+                time.sleep(PAUSE_S)
             rows.append(steady(args.steady, f"warm node, sequential ({args.steady})", host,
                                None))
             rows.append(steady(args.steady, f"warm node, paced 5/s ({args.steady})", host,
