@@ -1,10 +1,16 @@
-"""create() → first exec with the hosts' stock (issue 20), beside a fresh boot and bare runsc
-measured in the same run.
+"""create() → first exec with the hosts' stock (issues 20 and 40), beside a fresh boot and bare
+runsc measured in the same run.
 
-    .venv/bin/python -m benchmarks.bench_stock [--quick]
+    .venv/bin/python -m benchmarks.bench_stock [--quick] [--n N] [--steady N] [--only-steady]
 
 Rows (busybox, cpu=1, 48Mi, one local Ray node that advertises 32 logical CPUs so that the
 stock's quarter share is 8 sandboxes of this shape; the machine has 2 cores):
+- ``warm node, sequential`` and ``warm node, paced 5/s``: after 10 warm-up creates (0.2 s
+  apart: a node warmed by the demand it then serves, not by a burst), 200
+  (``--steady``) creates one after another (each terminated outside the timed part, the next
+  0.2 s later, as the issue measured), then 200 started every 0.2 s; each row gives p50, p99,
+  the misses and
+  their causes (``stock.MISS_CAUSES``, counted by the host) and the load average;
 - ``create()→first exec, stock``: N sequential creates, each sandbox terminated outside the
   timed part, 0.2 s apart (as bench_ray's create row); the row says how many were hits;
 - the same with 8 concurrent callers;
@@ -37,6 +43,8 @@ OPTS = {"image": "ray-sandbox/busybox", "cpu": 1, "memory": "48Mi"}
 STOCK_MAX = "32"  # the default, set so that a caller's environment cannot change it
 PAUSE_S = 0.2  # between sequential creates: the delete is outside the timed part
 REFILL_WAIT_S = 20.0  # how long a burst round waits for the stock to fill (then runs anyway)
+WARMUP = 10  # creates before the warm-node rows
+PACED_S = 0.2  # the paced row: a create every 0.2 s (5/s)
 
 
 def _identity(spec: dict) -> dict:
@@ -55,6 +63,33 @@ def _create_exec(opts: dict) -> tuple[float, sandbox.SandboxHandle]:
 
 def _hits(host: ray.actor.ActorHandle) -> int:
     return ray.get(host.stock.remote())["hits"]
+
+
+def _misses(host: ray.actor.ActorHandle) -> tuple[int, dict[str, int]]:
+    stats = ray.get(host.stock.remote())
+    return stats["misses"], stats.get("causes", {})
+
+
+def steady(n: int, label: str, host: ray.actor.ActorHandle, pace_s: float | None) -> dict:
+    """``n`` creates → first exec on a warm node: one after another, PAUSE_S after the last
+    one's terminate (outside the timed part), or one started every ``pace_s`` seconds; with
+    the misses the host counted over them and their causes."""
+    m0, c0 = _misses(host)
+    load = os.getloadavg()
+    samples = []
+    start = time.perf_counter()
+    for i in range(n):
+        if pace_s is not None:
+            time.sleep(max(0.0, start + i * pace_s - time.perf_counter()))
+        ms, sb = _create_exec(OPTS)
+        samples.append(ms)
+        ray.get(sb.terminate.remote())
+        if pace_s is None:
+            time.sleep(PAUSE_S)
+    m1, c1 = _misses(host)
+    causes = {k: v - c0.get(k, 0) for k, v in c1.items() if v - c0.get(k, 0)}
+    return summarize(label, samples, misses=m1 - m0, causes=causes,
+                     load_before=round(load[0], 2), load_after=round(os.getloadavg()[0], 2))
 
 
 def sequential(n: int, opts: dict, label: str, host: ray.actor.ActorHandle,
@@ -163,8 +198,11 @@ def _left_of(home: Path, ids: list[str]) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--n", type=int, default=None, help="the older rows' creates (100)")
+    ap.add_argument("--steady", type=int, default=200, help="warm-node creates per row")
+    ap.add_argument("--only-steady", action="store_true", help="only the warm-node rows")
     args = ap.parse_args()
-    n = 20 if args.quick else 100
+    n = args.n or (20 if args.quick else 100)
     load = os.getloadavg()
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="rsb-bench-stock-") as d:
@@ -177,6 +215,15 @@ def main() -> None:
             ray.get(warm.terminate.remote())
             time.sleep(2)
             host = warm._host
+            for _ in range(WARMUP):  # the node warms up to the rows' demand
+                ray.get(_create_exec(OPTS)[1].terminate.remote())
+                time.sleep(PAUSE_S)
+            rows.append(steady(args.steady, f"warm node, sequential ({args.steady})", host,
+                               None))
+            rows.append(steady(args.steady, f"warm node, paced 5/s ({args.steady})", host,
+                               PACED_S))
+            if args.only_steady:
+                return emit_rows(rows, load)
             ended: list[str] = []
             terminates: list[float] = []
             rows.append(sequential(n, OPTS, f"create()→first exec, stock ({n} sequential)",
@@ -194,9 +241,13 @@ def main() -> None:
             sandbox.shutdown()
             ray.shutdown()
         rows.append(bare(n, tmp))
-    emit("stock", rows, notes=f"2-core VM, load average before {load[0]:.1f}; Ray node "
-         "advertises 32 logical CPUs (stock share 0.25 = 8 of cpu=1); busybox, 48Mi; "
-         f"sandboxes terminated outside the timed part, {PAUSE_S}s apart.")
+    emit_rows(rows, load)
+
+
+def emit_rows(rows: list[dict], load: tuple[float, float, float]) -> None:
+    emit("stock", rows, notes=f"2-core VM, load average before {load[0]:.1f}, after "
+         f"{os.getloadavg()[0]:.1f}; Ray node advertises 32 logical CPUs (stock share 0.25 = "
+         f"8 of cpu=1); busybox, 48Mi; sandboxes terminated outside the timed part.")
 
 
 if __name__ == "__main__":

@@ -77,13 +77,24 @@ class Boots:
         except SandboxError as exc:
             log.warning("stocked sandbox %s could not be handed out (%s); booting anew",
                         sid, exc)
+            self._stock.missed("handout")
             try:
                 self._rt.delete(sid)
             except SandboxError:
                 pass
-            return self.boot(config, pg_hex, name)
+            return self._boot(config, pg_hex, name)
 
     def boot(self, config: SandboxConfig, pg_hex: str, name: str | None) -> str:
+        """A sandbox in ``pg_hex``: a block slot the stock had none for, or the caller's own
+        reservation (no block had room), which a stocked sandbox of the same boot serves
+        too (its slot goes back to the blocks)."""
+        if not self._blocks.owns(pg_hex) and (got := self._stock.take_any(config)):
+            sid, slot = got
+            self._blocks.give(slot)
+            return self.hand_out(sid, config, pg_hex, name)
+        return self._boot(config, pg_hex, name)
+
+    def _boot(self, config: SandboxConfig, pg_hex: str, name: str | None) -> str:
         labels = labels_of(config, pg_hex, name)
         t0 = time.perf_counter()
         if config.image:  # a filesystem image from another node is fetched first

@@ -6,6 +6,7 @@
     ray_sandbox_oom_kills        counter    sandboxes OOM-killed, counted when the host deletes them
     ray_sandbox_pool_acquires    counter    pool acquires, tagged hit=true|false
     ray_sandbox_stock_takes      counter    creates that asked a host's stock, tagged hit=true|false
+    ray_sandbox_stock_misses     counter    creates the stock did not serve, tagged cause (stock.py)
     ray_sandbox_stock            gauge      booted, never-used sandboxes in stock per node
     ray_sandbox_suspends         counter    suspends, tagged reason=idle|asked and
                                             result=ok|refused|failed (refused: in use, or past
@@ -59,6 +60,12 @@ def _stock_takes() -> rm.Counter:
 
 
 @functools.cache
+def _stock_misses() -> rm.Counter:
+    return rm.Counter("ray_sandbox_stock_misses", "creates the stock did not serve",
+                      tag_keys=("cause",))
+
+
+@functools.cache
 def _stock() -> rm.Gauge:
     return rm.Gauge("ray_sandbox_stock", "stocked sandboxes on a node", tag_keys=("node",))
 
@@ -85,6 +92,10 @@ def count_acquire(hit: bool) -> None:
 
 def count_stock_take(hit: bool) -> None:
     _stock_takes().inc(tags={"hit": "true" if hit else "false"})
+
+
+def count_stock_miss(cause: str) -> None:
+    _stock_misses().inc(tags={"cause": cause})
 
 
 def set_stock(node_id: str, n: int) -> None:

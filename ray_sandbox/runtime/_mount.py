@@ -11,6 +11,7 @@ are read-only on the host). mount(2)/umount2(2) are called directly: one syscall
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,30 @@ def mount_overlay(lower: Path, upper: Path, work: Path, target: Path, *, sandbox
             f"mounting the sandbox root overlay on {target} failed: {os.strerror(err)}",
             sandbox_id=sandbox_id,
         )
+
+
+# overlayfs splits its options at "," and lowerdir at ":" (a backslash escapes both)
+_OVERLAY_UNSAFE = frozenset(",:\\")
+# mount(2)'s data is one page; the kernel refuses longer options
+OPTIONS_MAX = 4000
+
+
+def overlay_path_ok(path: Path) -> bool:
+    """Whether ``path`` can be named in an overlay mount's options as it is."""
+    return not _OVERLAY_UNSAFE.intersection(str(path))
+
+
+def mount_lowers(lowers: list[Path], target: Path) -> None:
+    """A read-only overlay of ``lowers`` (topmost first, at least two) on ``target``; nosuid,
+    nodev. Raises OSError (the mount's errno) if the kernel refuses it."""
+    opts = "lowerdir=" + ":".join(str(p) for p in lowers)
+    if len(lowers) < 2 or len(opts) > OPTIONS_MAX or not all(map(overlay_path_ok, lowers)):
+        raise OSError(errno.EINVAL, f"cannot name these lower directories: {opts[:200]}")
+    if _libc.mount(b"overlay", os.fsencode(target), b"overlay",
+                   _MS_RDONLY | _MS_NOSUID | _MS_NODEV, opts.encode()) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mounting an overlay of {len(lowers)} layers on {target}: "
+                           f"{os.strerror(err)}")
 
 
 def mount_tmpfs(target: Path, *, size: str, mode: str = "0755") -> None:

@@ -28,6 +28,7 @@ import builtins
 import contextlib
 import functools
 import inspect
+import logging
 import os
 import shutil
 import time
@@ -101,6 +102,8 @@ from .volumes import VolumeStore
 
 T = TypeVar("T")
 _RESTORE_PARALLEL = 8  # concurrent restores; two cores saturate well before this
+
+log = logging.getLogger(__name__)
 
 
 class LimitNotEnforcedWarning(UserWarning):
@@ -546,10 +549,25 @@ class SandboxRuntime:
             max_bytes = fs_image.MAX_BYTES if disk is None else base.size_bytes + disk
         dest = fs_image.layout(scope, uuid.uuid4().hex, self.home)
         dest.parent.mkdir(parents=True, exist_ok=True)
-        ref = fs_image.capture(self._client(sandbox_id), sandbox_id, base.config, dest,
-                               max_bytes=max_bytes)
+        client = self._client(sandbox_id)
+
+        def diff(into: Path) -> None:
+            fs_image.capture_diff(client, sandbox_id, base, into, dest, max_bytes=max_bytes)
+
         try:
-            return self.images.get(ref)
+            refused = fs_image.refused(base, self.images)
+            if refused is None:  # what changed since boot, as a layer on the image
+                try:
+                    return self.images.add_layer(fs_image.reference(dest), dest,
+                                                 parent=base.digest, build=diff)
+                except BaseException:
+                    with contextlib.suppress(ImageError):  # stored, then not mountable
+                        self.images.remove(fs_image.reference(dest))
+                    raise
+            log.info("filesystem image of %s: copying the whole root (%s)", sandbox_id,
+                     refused)
+            return self.images.get(fs_image.capture(client, sandbox_id, base.config, dest,
+                                                    max_bytes=max_bytes))
         except BaseException:
             fs_image.remove(scope, dest.name, self.home)
             raise

@@ -70,6 +70,7 @@ static int dispatch(struct conn *c, const struct frame *f)
     case T_CHMOD: return op_chmod(c, f) < 0;
     case T_RENAME: return op_rename(c, f) < 0;
     case T_WALK: return op_walk(c, f) < 0;
+    case T_READS: return op_reads(c, f) < 0;
     default:
         send_error(c, EPROTO, "unknown request type %d", f->type);
         return 1;

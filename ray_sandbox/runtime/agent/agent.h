@@ -34,6 +34,7 @@ int op_symlink(struct conn *c, const struct frame *req);
 int op_chmod(struct conn *c, const struct frame *req);
 int op_rename(struct conn *c, const struct frame *req);
 int op_walk(struct conn *c, const struct frame *req);
+int op_reads(struct conn *c, const struct frame *req);
 
 /* Who a command runs as, resolved from the sandbox's own /etc/passwd and /etc/group. */
 #define MAX_GROUPS 256

@@ -66,6 +66,7 @@ from .process import _result
 DEFAULT_MAX_OUTPUT = 16 * 1024 * 1024  # per stream, when exec()/spawn() get None
 READ_MAX = 64 * 1024 * 1024  # read_file's default max_bytes: it holds the bytes in memory
 LIST_MAX_ENTRIES = 1 << 17  # list_dir's default max_entries: it holds them all
+READS_MAX_BYTES = 1 << 19  # a READS request (its paths): well inside a frame
 HUNG_MARGIN = 10.0  # seconds past a command's timeout before the agent counts as hung
 PING_TIMEOUT = 5.0
 READ_CHUNK = 256 * 1024
@@ -589,6 +590,57 @@ class AgentClient:
 
         return self._stream(p.request(p.Op.READ, fields), p.Stream.DATA, take, data_max=chunk)
 
+    def read_files(self, items: Sequence[tuple[PathArg, int]], chunk_size: int = READ_CHUNK,
+                   ) -> Iterator[tuple[int, bytes | None]]:  # fmt: skip
+        """Several regular files in one request (READS): ``(i, data)`` for the ``i``-th
+        item's bytes as they come, at most its length, then ``(i, None)`` when it ended
+        (shorter where the file is shorter, or could not be read: not a regular file, links
+        not followed). The request must fit one frame (:data:`READS_MAX_BYTES`)."""
+        sid = self.sandbox_id
+        chunk = min(check_int(chunk_size, "chunk_size", sid, lo=1), p.FRAME_MAX)
+        fields: list[p.Field] = [(p.Tag.CHUNK, chunk)]
+        lengths = []
+        for path, length in items:
+            lengths.append(check_int(length, "length", sid))
+            fields += [(p.Tag.PATH, _sandbox_path(path, sid)), (p.Tag.LENGTH, lengths[-1])]
+        req = p.request(p.Op.READS, fields)
+        if len(req) > READS_MAX_BYTES:
+            raise SandboxFileError(f"a READS request of {len(req)} bytes (at most "
+                                   f"{READS_MAX_BYTES})", sandbox_id=sid)
+        conn = self._checkout()
+        done = False
+        budget = _Budget(self)
+        i = got = 0
+        try:
+            conn.send(req, deadline=self._io_deadline())
+            while True:
+                ftype, payload = conn.read_reply(budget.deadline(), chunk)
+                budget.spent(len(payload))
+                if ftype == p.Stream.DATA and i < len(lengths):
+                    got += len(payload)
+                    if got > lengths[i]:
+                        raise conn.violation(f"sent more than the {lengths[i]} bytes asked for")
+                    yield i, bytes(payload)
+                elif ftype == p.Reply.END and i < len(lengths):
+                    sent, _ = conn.decode(p.parse_end, payload)
+                    if sent != got:
+                        raise conn.violation(f"ended a file of {got} bytes as {sent}")
+                    yield i, None
+                    i, got = i + 1, 0
+                elif ftype == p.Reply.OK and i == len(lengths):
+                    done = True
+                    return
+                elif ftype == p.Reply.ERROR:
+                    done = True
+                    raise self._file_error(conn, payload)
+                else:
+                    raise self._unexpected(conn, ftype)
+        finally:
+            if done:
+                self._checkin(conn)
+            else:
+                conn.close()
+
     def write_file(
         self,
         path: PathArg,
@@ -671,6 +723,15 @@ class AgentClient:
         bound, the consumer streams them) raises SandboxFileError."""
         raw = _sandbox_path(path, self.sandbox_id)
         return (_to_info(e, e.path) for e in self._entries(p.Op.WALK, raw, max_entries))
+
+    def entries(self, path: PathArg, *, recursive: bool = False,
+                max_entries: int | None = LIST_MAX_ENTRIES) -> Iterator[p.Entry]:
+        """The raw stat records of a directory's entries (``Entry.path`` is the name) or,
+        ``recursive``, of everything below it (``path`` relative, parents first, links not
+        followed), with the inode, device and link count :meth:`walk` leaves out. As they
+        come, in the directory's order; more than ``max_entries`` raises SandboxFileError."""
+        raw = _sandbox_path(path, self.sandbox_id)
+        return self._entries(p.Op.WALK if recursive else p.Op.LISTDIR, raw, max_entries)
 
     def mkdir(self, path: PathArg, *, parents: bool = True, mode: int = 0o755) -> None:
         """Creates a directory; with ``parents`` missing parents too and an existing

@@ -34,7 +34,8 @@ CONNECT_TIMEOUT = 5.0
 # The agent's control replies are small (an ERROR message is at most 1 KiB, an ENTRY two
 # paths of PATH_MAX); only output and file data use whole 1 MiB frames.
 CONTROL_FRAME_MAX = 64 * 1024
-_CONTROL = frozenset({p.Reply.OK, p.Reply.ERROR, p.Reply.STARTED, p.Reply.EXIT, p.Reply.ENTRY})
+_CONTROL = frozenset({p.Reply.OK, p.Reply.ERROR, p.Reply.STARTED, p.Reply.EXIT, p.Reply.ENTRY,
+                      p.Reply.END})
 # The agent never sends these empty, so a reply's frame count is bounded by its byte count.
 _STREAM = frozenset({p.Reply.STDOUT, p.Reply.STDERR, p.Stream.DATA})
 _POLL_MAX_MS = 2**31 - 1  # poll() takes a C int; longer waits loop

@@ -36,6 +36,7 @@ class Op(enum.IntEnum):
     CHMOD = 0x0A
     RENAME = 0x0B
     WALK = 0x0C
+    READS = 0x0D
 
 
 class Stream(enum.IntEnum):
@@ -57,6 +58,7 @@ class Reply(enum.IntEnum):
     STDERR = 0x44
     EXIT = 0x45
     ENTRY = 0x46
+    END = 0x47  # READS: one file's data ended
 
 
 class Tag(enum.IntEnum):
@@ -95,6 +97,9 @@ class Tag(enum.IntEnum):
     GID = 43
     MTIME_NS = 44
     LINK = 45
+    INO = 46
+    NLINK = 47
+    DEV = 48
 
 
 
@@ -206,6 +211,12 @@ def parse_error(payload: bytes | bytearray) -> tuple[int, str]:
     return _int(f, Tag.ERRNO), _one(f, Tag.MESSAGE, b"").decode("utf-8", "replace")
 
 
+def parse_end(payload: bytes | bytearray) -> tuple[int, int]:
+    """READS' END frame: (bytes sent for the file, errno; 0 if it was read)."""
+    f = decode_fields(payload)
+    return _int(f, Tag.SIZE), _int(f, Tag.ERRNO, 0)
+
+
 def parse_pid(payload: bytes | bytearray) -> int:
     return _int(decode_fields(payload), Tag.PID)
 
@@ -230,6 +241,9 @@ class Entry:
     gid: int
     mtime_ns: int
     link: bytes | None
+    ino: int = 0  # with dev and nlink: which names are hard links of one file
+    nlink: int = 1
+    dev: int = 0
 
 
 def parse_entry(payload: bytes | bytearray) -> Entry:
@@ -244,4 +258,7 @@ def parse_entry(payload: bytes | bytearray) -> Entry:
         gid=_int(f, Tag.GID),
         mtime_ns=_int(f, Tag.MTIME_NS),
         link=link[-1] if link else None,
+        ino=_int(f, Tag.INO, 0),
+        nlink=_int(f, Tag.NLINK, 1),
+        dev=_int(f, Tag.DEV, 0),
     )

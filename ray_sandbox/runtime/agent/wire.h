@@ -16,14 +16,14 @@
 enum {
     T_PING = 0x01, T_EXEC = 0x02, T_READ = 0x03, T_WRITE = 0x04, T_STAT = 0x05,
     T_LISTDIR = 0x06, T_MKDIR = 0x07, T_REMOVE = 0x08, T_SYMLINK = 0x09, T_CHMOD = 0x0a,
-    T_RENAME = 0x0b, T_WALK = 0x0c,
+    T_RENAME = 0x0b, T_WALK = 0x0c, T_READS = 0x0d,
 };
 /* stream frames: DATA goes both ways (stdin, file content); CLOSE ends the client's stream */
 enum { T_DATA = 0x20, T_CLOSE = 0x21, T_SIGNAL = 0x22, T_RESIZE = 0x23 };
 /* agent -> client */
 enum {
     T_OK = 0x40, T_ERROR = 0x41, T_STARTED = 0x42, T_STDOUT = 0x43, T_STDERR = 0x44,
-    T_EXIT = 0x45, T_ENTRY = 0x46,
+    T_EXIT = 0x45, T_ENTRY = 0x46, T_END = 0x47,
 };
 /* TLV tags */
 enum {
@@ -34,6 +34,7 @@ enum {
     G_ERRNO = 30, G_MESSAGE = 31, G_PID = 32, G_EXIT_CODE = 33, G_SIGNAL = 34,
     G_TIMED_OUT = 35, G_TRUNCATED = 36, G_DURATION_US = 37, G_RETIRE = 38, G_VERSION = 39,
     G_TYPE = 40, G_SIZE = 41, G_UID = 42, G_GID = 43, G_MTIME_NS = 44, G_LINK = 45,
+    G_INO = 46, G_NLINK = 47, G_DEV = 48,
 };
 
 struct frame {

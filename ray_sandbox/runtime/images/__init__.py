@@ -1,7 +1,8 @@
 """Images for sandboxes: :mod:`.reference` parses what users write, :mod:`.models` holds what
 the store knows about an image, :mod:`.store` is the node-local :class:`ImageStore`, whose
 files, locks and work directories are in :mod:`.storedir`, whose pins (and when one is stale)
-are in :mod:`.pins` and whose deletions are in :mod:`.eviction`. See docs/images.md."""
+are in :mod:`.pins` and whose deletions are in :mod:`.eviction`; :mod:`.layers` stores an image
+as its parent plus a directory of changes. See docs/images.md."""
 
 from __future__ import annotations
 

@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 
 from ..errors import ImageBusyError, ImageInUseError, ImageNotFoundError
-from .pins import owners
+from . import layers
 from .reference import _hex
-from .storedir import StoreDir, _rmtree
+from .storedir import StoreDir, _rmtree, unmount_under
 
 
 def remove(store_dir: StoreDir, digest: str, *, untag: Path | None, name: str) -> list[str]:
@@ -25,10 +25,15 @@ def remove(store_dir: StoreDir, digest: str, *, untag: Path | None, name: str) -
         if not stored and not refs:
             raise ImageNotFoundError(f"{name} is not in the image store")
         deletes_image = stored and len(doomed) == len(refs)
-        if deletes_image and (pinned := owners(store_dir, digest)):
-            raise ImageInUseError(f"{digest} is pinned by {sorted(pinned)}")
+        children: set[str] = set()
+        if deletes_image:
+            pinned, children = layers.live_owners(store_dir, digest)
+            if pinned:
+                raise ImageInUseError(f"{digest} is pinned by {sorted(pinned)}")
         for path in doomed:
             path.unlink(missing_ok=True)
+        # an image others are layered on loses its names, and goes with its last child
+        deletes_image = deletes_image and not children
         removed = [digest] if deletes_image and _delete_image(store_dir, digest) else []
     _gc_blobs(store_dir)
     return removed
@@ -62,22 +67,41 @@ def evict(store_dir: StoreDir, max_bytes: int | None, keep: str) -> None:
 
 
 def _delete_image(store_dir: StoreDir, digest: str) -> bool:
-    """Rename the image away (it vanishes atomically), then delete it; hold img-<hex>."""
+    """Rename the image away (it vanishes atomically), then delete it; hold img-<hex>. A
+    layered image's rootfs is detached first, then its parent loses its pin and goes too if
+    nothing else keeps it (``layers``)."""
     hex_ = _hex(digest)
+    record = store_dir.record(digest)
     try:
         doomed = Path(tempfile.mkdtemp(prefix=f"img-{hex_}.", dir=store_dir.root / "tmp"))
         os.rename(store_dir.image(digest), doomed / "image")
     except FileNotFoundError:
         return False
     finally:
+        unmount_under(doomed)
         _rmtree(doomed)
+    if record is not None and record.parent is not None:
+        _release_parent(store_dir, record.parent, digest)
     return True
+
+
+def _release_parent(store_dir: StoreDir, parent: str, child: str) -> None:
+    """Drop ``child``'s pin of ``parent``, and delete ``parent`` if no reference names it
+    and nothing else pins it (its own references were removed while the child needed it).
+    Locks go child to parent, as when the child was added."""
+    with store_dir.locked(f"img-{_hex(parent)}", time.monotonic() + 60):
+        layers.unpin_parent(store_dir, parent, child)
+        pinned, children = layers.live_owners(store_dir, parent)
+        if pinned or children or any(r.digest == parent for r in store_dir.ref_records()):
+            return
+        _delete_image(store_dir, parent)
 
 
 def _delete_if_unpinned(store_dir: StoreDir, digest: str, timeout: float = 1.0) -> bool:
     try:
         with store_dir.locked(f"img-{_hex(digest)}", time.monotonic() + timeout):
-            return not owners(store_dir, digest) and _delete_image(store_dir, digest)
+            return not any(layers.live_owners(store_dir, digest)) and _delete_image(
+                store_dir, digest)
     except ImageBusyError:
         return False  # someone is pinning or removing it right now: not a candidate
 

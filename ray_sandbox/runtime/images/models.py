@@ -97,6 +97,9 @@ class Image(BaseModel):
     size_bytes: int  # disk used by rootfs + blobs (shared blobs count in every image)
     created: float  # when it was unpacked on this node (epoch seconds)
     last_used: float
+    # the image this one adds a layer of changes to (a filesystem image, docs/snapshots.md):
+    # its rootfs is an overlay of that layer on the parent's, which it keeps stored
+    parent: str | None = None
 
 
 class _ImageRecord(BaseModel):
@@ -104,6 +107,7 @@ class _ImageRecord(BaseModel):
     config: ImageConfig
     size_bytes: int
     created: float
+    parent: str | None = None  # see Image.parent
 
 
 class _RefRecord(BaseModel):

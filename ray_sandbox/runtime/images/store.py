@@ -10,6 +10,7 @@ import errno
 import hashlib
 import os
 import re
+import shutil
 import time
 from collections.abc import Callable, Iterable
 from contextlib import ExitStack
@@ -31,10 +32,11 @@ from ..errors import (
 from ..network import pull as _pull
 from ..skopeo import Skopeo
 from ..umoci import Umoci
-from . import eviction
+from . import eviction, layers
 from . import pins as _pins
 from .models import (
     Image,
+    ImageConfig,
     Platform,
     _blob_digests,
     _ImageRecord,
@@ -129,6 +131,21 @@ def _disk_usage(root: Path) -> int:
                 seen.add((st.st_dev, st.st_ino))
                 total += st.st_blocks * 512
     return total
+
+
+def _link_tree(src: Path, dest: Path) -> None:
+    """``dest`` as a copy of the directory ``src`` (this process's own files) whose files
+    are hard links (copies across filesystems)."""
+    for dirpath, _, filenames in os.walk(src):
+        target = dest / os.path.relpath(dirpath, src)
+        target.mkdir(parents=True, exist_ok=True)
+        for name in filenames:
+            try:
+                os.link(os.path.join(dirpath, name), target / name)
+            except OSError as exc:
+                if exc.errno != errno.EXDEV:
+                    raise
+                shutil.copyfile(os.path.join(dirpath, name), target / name)
 
 
 def _local_image(ref: ImageRef) -> LocalImage | None:
@@ -238,7 +255,7 @@ class ImageStore:
     def inspect(self, ref_or_digest: str) -> Image:
         """The stored image for a reference or ``sha256:`` digest; never fetches."""
         digest, parsed = self._resolve_local(ref_or_digest)
-        image = self._dir.load(digest, ref=str(parsed) if parsed else digest, touch=False)
+        image = self._load(digest, ref=str(parsed) if parsed else digest, touch=False)
         if image is None:
             raise ImageNotFoundError(f"{ref_or_digest} is not in the image store")
         return image
@@ -304,6 +321,84 @@ class ImageStore:
         """Bytes used by all stored images (the number ``max_bytes`` is compared with)."""
         return sum(r.size_bytes for _, r in self._dir.image_records())
 
+    def layer_refused(self, parent: str) -> str | None:
+        """Why :meth:`add_layer` cannot add a layer on ``parent`` (None: it can)."""
+        return layers.refused(self._dir, parent)
+
+    def add_layer(self, ref: str, layout: Path, *, parent: str, build: Callable[[Path], None],
+                  timeout: float = DEFAULT_PULL_TIMEOUT) -> Image:
+        """Store the image that ``ref`` names (an ``oci:`` reference of ``layout``) as the
+        stored image ``parent`` plus one layer of changes, with neither a copy nor an unpack:
+        ``build(diff)`` writes the changes into the empty directory ``diff`` in overlayfs's
+        form (:mod:`.layers`) and the layout at ``layout`` (the parent's layers and one
+        more, so that other nodes and exports see an ordinary image). The image's rootfs is
+        an overlay of ``diff`` on the parent's; the image keeps its parent stored. Raises
+        what ``build`` raises; nothing is left behind."""
+        parsed = parse_reference(ref)
+        key = self._ref_key(parsed)
+        deadline = time.monotonic() + timeout
+        self._dir.make_dirs()
+        try:
+            with self._dir.locked(f"ref-{key}", deadline), \
+                    self._dir.workdir(f"ref-{key}") as work:
+                bundle = work / "image"
+                bundle.mkdir(0o700)
+                (bundle / "diff").mkdir(0o755)
+                build(bundle / "diff")
+                digest, config = _read_layout(layout)
+                if not self.platform.matches(config.os, config.architecture, config.variant):
+                    raise PlatformNotFoundError(f"image is {config.os}/{config.architecture}, "
+                                                f"this store wants {self.platform}")
+                with self._dir.locked(f"img-{_hex(digest)}", deadline):
+                    if not (self._dir.image(digest) / "image.json").exists():
+                        self._publish_layer(bundle, layout, digest, config, parent, deadline)
+                record = _RefRecord(ref=str(parsed), platform=str(self.platform),
+                                    digest=digest)
+                staged = work / "ref.json"
+                staged.write_text(record.model_dump_json())
+                os.replace(staged, self._dir.ref_file(key))
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StoreFullError(f"no space left in the image store {self.root}") from exc
+            raise
+        image = self._load(digest, ref=str(parsed), touch=True)
+        if image is None:
+            raise ImageNotFoundError(f"{ref} was removed while it was being added")
+        eviction.evict(self._dir, self.max_bytes, keep=image.digest)
+        return image
+
+    def _publish_layer(self, bundle: Path, layout: Path, digest: str, config: ImageConfig,
+                       parent: str, deadline: float) -> None:
+        """Make ``bundle`` (holding ``diff/``) the stored image ``digest``; the caller holds
+        its lock. The parent's pin and the rename happen under the parent's lock: a child is
+        never published without its pin, nor is a pin without its child kept."""
+        _link_tree(layout, bundle / "oci")
+        for sub in ("rootfs", "pins"):
+            (bundle / sub).mkdir()
+        (bundle / "used").touch()
+        record = _ImageRecord(digest=digest, config=config, size_bytes=_disk_usage(bundle),
+                              created=time.time(), parent=parent)
+        (bundle / "image.json").write_text(record.model_dump_json())
+        with self._dir.locked(f"img-{_hex(parent)}", deadline):
+            layers.pin_parent(self._dir, parent, digest)
+            try:
+                os.rename(bundle, self._dir.image(digest))
+            except BaseException:
+                layers.unpin_parent(self._dir, parent, digest)
+                raise
+        for blob in (self._dir.image(digest) / "oci" / "blobs" / "sha256").iterdir():
+            try:
+                os.link(blob, self._dir.blobs / blob.name)
+            except FileExistsError:
+                continue
+
+    def _load(self, digest: str, *, ref: str, touch: bool) -> Image | None:
+        """The stored image, its rootfs mounted if it is layered."""
+        image = self._dir.load(digest, ref=ref, touch=touch)
+        if image is not None and image.parent is not None:
+            layers.ensure_mounted(self._dir, digest)
+        return image
+
     def _get(
         self, ref: ImageRef, *, refetch: bool, fetch: bool, timeout: float,
         progress: Progress | None, network: PullNetwork = "node",
@@ -339,7 +434,7 @@ class ImageStore:
         record = self._dir.ref_record(key)
         if record is None or not _current(ref, record):
             return None
-        return self._dir.load(record.digest, ref=str(ref), touch=True)
+        return self._load(record.digest, ref=str(ref), touch=True)
 
     def _share_build(self, ref: ImageRef, key: str, deadline: float) -> Image | None:
         """Point ``ref`` at the current build of another tag of its recipe, if one is stored
@@ -368,7 +463,7 @@ class ImageStore:
                 staged = work / "ref.json"
                 staged.write_text(record.model_dump_json())
                 os.replace(staged, self._dir.ref_file(key))
-        return self._dir.load(digest, ref=str(ref), touch=True)
+        return self._load(digest, ref=str(ref), touch=True)
 
     def _resolve_local(self, ref_or_digest: str) -> tuple[str, ImageRef | None]:
         """(digest, parsed reference) of a stored reference; (digest, None) for a digest."""
@@ -401,7 +496,7 @@ class ImageStore:
             resolved = self._resolve(skopeo, ref, deadline)
             known = self._dir.ref_record(key)
             if known and known.source_digest == resolved.source_digest and (
-                image := self._dir.load(known.digest, ref=str(ref), touch=True)
+                image := self._load(known.digest, ref=str(ref), touch=True)
             ):
                 return image  # the tag did not move
         try:
@@ -431,7 +526,7 @@ class ImageStore:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise StoreFullError(f"no space left in the image store {self.root}") from exc
             raise
-        image = self._dir.load(digest, ref=str(ref), touch=True)
+        image = self._load(digest, ref=str(ref), touch=True)
         if image is None:
             raise ImageNotFoundError(f"{ref} was removed while it was being pulled")
         progress(f"ready {digest}")

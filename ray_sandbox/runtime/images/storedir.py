@@ -28,6 +28,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from .. import _mount
 from ..errors import ImageBusyError
 from .models import Image, _ImageRecord, _RefRecord
 from .reference import _hex
@@ -105,7 +106,16 @@ class StoreDir:
         except FileNotFoundError:
             return None  # never stored, or removed by someone else just now
         return Image(ref=ref, digest=record.digest, rootfs=path / "rootfs", config=record.config,
-                     size_bytes=record.size_bytes, created=record.created, last_used=last_used)
+                     size_bytes=record.size_bytes, created=record.created, last_used=last_used,
+                     parent=record.parent)
+
+    def record(self, digest: str) -> _ImageRecord | None:
+        """The published image's record; None if it is not stored."""
+        try:
+            return _ImageRecord.model_validate_json(
+                (self.image(digest) / "image.json").read_bytes())
+        except FileNotFoundError:
+            return None
 
     @contextmanager
     def locked(self, name: str, deadline: float) -> Iterator[None]:
@@ -138,14 +148,28 @@ class StoreDir:
             _rmtree(path)
 
     def sweep(self) -> None:
-        """Remove work directories whose owner lock is free: their process died."""
+        """Remove work directories whose owner lock is free: their process died (an image
+        it was deleting may still have its rootfs mounted there)."""
         for entry in os.scandir(self.root / "tmp"):
             owner = entry.name.split(".", 1)[0]
             try:
                 with self.locked(owner, deadline=0):
+                    unmount_under(Path(entry.path))
                     _rmtree(Path(entry.path))
             except ImageBusyError:
                 continue  # a live pull, build or removal is using it
+
+
+_STACKED_MAX = 8  # mounts stacked on one point that a removal detaches
+
+
+def unmount_under(path: Path) -> None:
+    """Detach every mount at or below ``path`` (a layered image's rootfs), deepest first,
+    so that a removal never descends into one."""
+    for point in [*_mount.mounts_under(path), path]:
+        for _ in range(_STACKED_MAX):  # stacked mounts: one detach each
+            if not _mount.unmount(point):
+                break
 
 
 def _rmtree(path: Path) -> None:
