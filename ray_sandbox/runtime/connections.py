@@ -64,6 +64,14 @@ class Connections:
             keys = [k for k in self._pythons if k[0] == sandbox_id]
             return [self._pythons.pop(k) for k in keys]
 
+    def stop_pythons(self, sandbox_id: str) -> None:
+        """Kill the sandbox's interpreters and wait for them. Before a checkpoint hold (a
+        snapshot, a suspend): they cannot be reached after it (their connections go), so no
+        copy carries one (a connection merely dropped while the hold file exists counts as
+        "detach" to the agent)."""
+        for ctx in self.take_pythons(sandbox_id):
+            ctx.kill()
+
     def close(self, sandbox_id: str) -> None:
         """Close the sandbox's client; its interpreters go with their connections."""
         self.take_pythons(sandbox_id)

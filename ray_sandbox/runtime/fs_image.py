@@ -54,7 +54,14 @@ from . import archive, paths
 from .agent import SANDBOX_RUN_DIR
 from .agent import protocol as p
 from .agent.client import READS_MAX_BYTES, AgentClient
-from .errors import ImageError, SandboxFileError, StoreFullError, UnsafePathError
+from .errors import (
+    ConfigError,
+    ImageError,
+    ImageNotFoundError,
+    SandboxFileError,
+    StoreFullError,
+    UnsafePathError,
+)
 from .images import Image, ImageStore
 from .images.models import ImageConfig
 from .results import FileInfo, FileType
@@ -109,6 +116,24 @@ def local_ref(ref: str, home: Path | None = None) -> str:
     """``ref`` pointed at this node's home if it names a filesystem image, else ``ref``."""
     parsed = parse(ref)
     return ref if parsed is None else reference(layout(*parsed, home))
+
+
+def parse_strict(ref: str) -> tuple[str, str]:
+    """(scope, id) of the filesystem image ``ref``; ConfigError if it names none."""
+    parsed = parse(ref)
+    if parsed is None:
+        raise ConfigError(f"{ref!r} is not a filesystem image")
+    return parsed
+
+
+def local_digest(ref: str, images: ImageStore, home: Path | None = None) -> str | None:
+    """The digest of this node's copy of the filesystem image ``ref`` in ``images`` (None:
+    it has none); ConfigError if ``ref`` names no filesystem image."""
+    parse_strict(ref)
+    try:
+        return images.inspect(local_ref(ref, home)).digest
+    except ImageNotFoundError:
+        return None
 
 
 def capture(client: AgentClient, sandbox_id: str, config: ImageConfig, dest: Path, *,

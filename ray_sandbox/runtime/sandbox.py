@@ -3,18 +3,16 @@
 A facade of short verbs over the concept modules: ``launch`` (create/restore/destroy),
 ``records`` (what the node knows), ``exec_request`` (what a command asks for), ``files``,
 ``checkpoint`` and ``snapshot`` (``runtime.snapshots``), ``volumes`` (``runtime.volumes``),
-``reaper`` (TTL and gc) and
-``connections`` (agent clients), ``fs_image`` (filesystem images), ``verbs`` (the verb
-table: each verb's request, declared once). It has 55 methods because it is the stable public
-surface (tests/unit/public_api.json): each verb is a typed signature, a docstring and a few
-lines over those modules, and splitting it would split the API users call
-(``filesystem_image_in_use`` and ``delete_filesystem_image``, for example, are such verbs
-over ``fs_image`` and ``launch``); its deprecated snapshot aliases and awaitable twins are
-generated, not written out. The longest
-verb, ``personalize`` (a node host's stock hands a booted sandbox to its caller), is ~25
-lines of record and policy updates that belong to no other module; ``_idle_check`` (~25
-lines) reads the record and the agent client's activity, both of which only this facade
-holds together.
+``suspension`` (``runtime.suspensions``), ``idle`` (idle delete and suspend), ``reaper``
+(TTL and gc), ``connections`` (agent clients), ``fs_image`` (filesystem images), ``verbs``
+(the verb table: each verb's request, declared once). It has over 40 methods (at most 55)
+because it is the stable public surface (tests/unit/public_api.json): each verb is a typed
+signature, a docstring and a few lines over those modules, and splitting it would split the
+API users call (``filesystem_image_in_use`` and ``delete_filesystem_image``, for example,
+are such verbs over ``fs_image`` and ``launch``); its deprecated snapshot aliases and
+awaitable twins are generated, not written out. The longest verb, ``personalize`` (a node
+host's stock hands a booted sandbox to its caller), is ~25 lines of record and policy
+updates that belong to no other module.
 
 State lives on disk (``home()/sandboxes/<id>/record.json`` plus runsc's own state), so any
 process on the node can address any sandbox by id, status is read from runsc rather than from
@@ -67,6 +65,7 @@ from .errors import (
     SandboxStateError,
 )
 from .exec_request import stdin_bytes
+from .idle import IdleWatch
 from .images import Image, ImageStore
 from .launch import Launcher, all_or_nothing, as_creation_error
 from .records import RAY_ID_PREFIX, Records, SandboxRecord, check_id, owner_fields, parse_id
@@ -176,11 +175,6 @@ def _in_thread(name: str) -> Callable[..., Any]:
     return method
 
 
-# A sandbox in use (a call or process running) is looked at this often for idleness; its
-# idle time counts from the last look that found it in use, within this much.
-_IDLE_BUSY_RECHECK_S = 1.0
-
-
 class SandboxRuntime:
     """Create and drive gVisor sandboxes on this node.
 
@@ -219,9 +213,11 @@ class SandboxRuntime:
         self._launcher = Launcher(self.home, self.records, self._connections, self.runsc,
                                   self.images, self.volumes)
         self._ttl = reaper.TtlTimer(self._expire)
-        self._idle = reaper.TtlTimer(self._idle_check)
         self.suspensions = Suspensions(self.records, self._launcher, self._connections,
-                                       self._watch_idle, self._stop_pythons)
+                                       lambda rec: self._idle.watch(rec),
+                                       self._connections.stop_pythons)
+        self._idle = IdleWatch(self.records, self._launcher, self._connections,
+                               self.suspensions)
         _subreaper.ensure()
         if reap:
             self.gc()
@@ -262,15 +258,7 @@ class SandboxRuntime:
         self.records.adopt(rec)
         if rec.ttl_deadline is not None:
             self._ttl.schedule(rec.sandbox_id, rec.ttl_deadline)
-        self._watch_idle(rec)
-
-    def _watch_idle(self, rec: SandboxRecord) -> None:
-        """Look at the sandbox's idleness when its idle limit could first pass (also after a
-        resume in place: ``suspensions``)."""
-        limits = [v for k in ("idle_timeout_seconds", "idle_suspend_seconds")
-                  if (v := rec.config.get(k))]
-        if limits:
-            self._idle.schedule(rec.sandbox_id, time.time() + min(limits))
+        self._idle.watch(rec)
 
     def personalize(
         self,
@@ -312,64 +300,6 @@ class SandboxRuntime:
     def _expire(self, sandbox_id: str) -> None:
         if self.records.owns(sandbox_id):
             self._launcher.destroy(sandbox_id, reason="TTLExpired")
-
-    def _idle_check(self, sandbox_id: str) -> None:
-        """Delete the sandbox if nothing used it for its ``idle_timeout_seconds``, suspend it
-        (``suspensions.idle``, a Ray host's; else in place here) if nothing used it for its
-        ``idle_suspend_seconds``, else look again when that could next be true (each second
-        while a call or process runs)."""
-        if not self.records.owns(sandbox_id):
-            return  # deleted, or handed to another owner
-        try:
-            rec = self.records.get(sandbox_id)
-        except SandboxError:
-            return
-        delete_after = rec.config.get("idle_timeout_seconds")
-        asleep = rec.phase == SUSPENDED
-        suspend_after = None if asleep else rec.config.get("idle_suspend_seconds")
-        if not (delete_after or suspend_after):
-            return  # personalized without one, or suspended without a deadline
-        now = time.monotonic()
-        since = now - max(time.time() - rec.created_at, 0.0)  # handed out or created
-        client = self._connections.peek(sandbox_id)
-        if asleep:
-            state = self.suspensions.state(sandbox_id)
-            if state is not None:
-                since = now - max(time.time() - state.last_used, 0.0)
-        elif client is not None:
-            used = client.idle_since()
-            if used is None or self.suspensions.busy(sandbox_id):
-                # in use: idle time counts from now at the earliest
-                client.touch()
-                limit = min(v for v in (delete_after, suspend_after) if v)
-                self._idle.schedule(sandbox_id,
-                                    time.time() + min(limit, _IDLE_BUSY_RECHECK_S))
-                return
-            since = max(since, used)
-        idle_for = now - since
-        if delete_after and idle_for >= delete_after:
-            self._launcher.destroy(sandbox_id, reason="IdleTimeout")
-            return
-        if suspend_after and idle_for >= suspend_after:
-            if self._suspend_idle(sandbox_id, time.time() - idle_for):
-                if delete_after:  # its idle timeout still counts while it sleeps
-                    self._idle.schedule(sandbox_id, time.time() + (delete_after - idle_for))
-            else:  # refused for now (in use meanwhile, no disk budget): later
-                self._idle.schedule(sandbox_id, time.time() + suspend_after)
-            return
-        wait = min(v for v in (delete_after, suspend_after) if v) - idle_for
-        self._idle.schedule(sandbox_id, time.time() + wait)
-
-    def _suspend_idle(self, sandbox_id: str, last_used: float) -> bool:
-        """Whether the idle sandbox was suspended (or a Ray host took it to suspend)."""
-        if self.suspensions.idle is not None:
-            return self.suspensions.idle(sandbox_id)
-        try:
-            self.suspensions.suspend(sandbox_id, reason="Idle", drain_timeout=0.0,
-                                     last_used=last_used)
-            return True
-        except SandboxError:
-            return False
 
     def delete(self, sandbox_id: str, *, wait: bool = False) -> None:
         """Stop the sandbox and remove everything it owns. Idempotent. On return it can no
@@ -432,7 +362,7 @@ class SandboxRuntime:
         sd = self.snapshots.new()
         try:
             with checkpoint.held(self._client(sandbox_id), sdir, drain_timeout,
-                                 lambda: self._stop_pythons(sandbox_id)):
+                                 lambda: self._connections.stop_pythons(sandbox_id)):
                 checkpoint.checkpoint(self.runsc, rec, sd.image)
                 # Host dirs are not in gVisor's image; copied while the agent still holds.
                 copy_tree(sdir.upper, sd.upper)
@@ -452,13 +382,6 @@ class SandboxRuntime:
         except BaseException:
             sd.remove()
             raise
-
-    def _stop_pythons(self, sandbox_id: str) -> None:
-        """Warm interpreters cannot be reached after a checkpoint hold (their connections
-        go): they are killed and waited for before it, so no copy carries one (a connection
-        merely dropped while the hold file exists counts as "detach" to the agent)."""
-        for ctx in self._connections.take_pythons(sandbox_id):
-            ctx.kill()
 
     def restore(
         self,
@@ -576,35 +499,23 @@ class SandboxRuntime:
         """Whether a sandbox of this home runs from its copy of the image (a sandbox
         deleted, whose teardown is pending, does not: that teardown is finished first).
         Another home's sandboxes on a shared store are that home's to answer for."""
-        digest = self._settled_fs_image(ref)
-        return digest is not None and self._launcher.pinned_here(digest)
+        digest = fs_image.local_digest(ref, self.images, self.home)
+        if digest is None:
+            return False
+        self._launcher.settle_pins(digest)
+        return self._launcher.pinned_here(digest)
 
     def delete_filesystem_image(self, ref: str) -> None:
         """Remove an image made by :meth:`snapshot_filesystem` (here, or fetched from another
         node) from the store and the disk. Idempotent; ImageInUseError while a sandbox of
-        this node uses it."""
-        scope, image_id = self._fs_image(ref)
-        if self._settled_fs_image(ref) is not None:
+        this node uses it (a deleted one's pending teardown is finished first)."""
+        scope, image_id = fs_image.parse_strict(ref)
+        digest = fs_image.local_digest(ref, self.images, self.home)
+        if digest is not None:
+            self._launcher.settle_pins(digest)
             with contextlib.suppress(ImageNotFoundError):  # removed meanwhile
                 self.images.remove(fs_image.local_ref(ref, self.home))
         fs_image.remove(scope, image_id, self.home)
-
-    def _fs_image(self, ref: str) -> tuple[str, str]:
-        parsed = fs_image.parse(ref)
-        if parsed is None:
-            raise ConfigError(f"{ref!r} is not a filesystem image")
-        return parsed
-
-    def _settled_fs_image(self, ref: str) -> str | None:
-        """The digest of this node's copy of the filesystem image (None: it has none), once
-        the pending teardowns of deleted sandboxes that pin it are finished."""
-        self._fs_image(ref)
-        try:
-            digest = self.images.inspect(fs_image.local_ref(ref, self.home)).digest
-        except ImageNotFoundError:
-            return None
-        self._launcher.settle_pins(digest)
-        return digest
 
     def oom_killed(self, sandbox_id: str) -> bool:
         """Whether the kernel OOM-killed a process of this sandbox (its memory cgroup's
