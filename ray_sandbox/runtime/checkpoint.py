@@ -109,12 +109,12 @@ def held(client: AgentClient, sdir: SandboxDir, drain_timeout: float,
     ``stops``: the block ends the container (a suspend), so only a block that failed waits
     for the agent to listen again; the hold file goes either way."""
     hold = sdir.run / HOLD_FILE
-    with client.quiesce(drain_timeout):
+    with client.pool.quiesce(drain_timeout):
         before_hold()
         hold.touch()
         ok = False
         try:
-            client.drop_connections()
+            client.pool.drop_connections()
             wait_socket(sdir, present=False, wake=True)
             yield
             ok = True

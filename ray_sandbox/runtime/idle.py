@@ -3,7 +3,7 @@
 suspends it in the host's threads instead).
 
 A sandbox is looked at when its idle limit could first pass, and again when it next could.
-"Used" is the agent client's last call or process (``AgentClient.idle_since``); a sandbox in
+"Used" is the agent client's last call or process (``AgentClient.pool``); a sandbox in
 use is looked at each second, so its idle time counts from within a second of its last use.
 A suspended sandbox's idle time counts from its last use before the suspend.
 """
@@ -67,10 +67,10 @@ class IdleWatch:
             if state is not None:
                 since = now - max(time.time() - state.last_used, 0.0)
         elif client is not None:
-            used = client.idle_since()
+            used = client.pool.idle_since()
             if used is None or self.suspensions.busy(sandbox_id):
                 # in use: idle time counts from now at the earliest
-                client.touch()
+                client.pool.touch()
                 limit = min(v for v in (delete_after, suspend_after) if v)
                 self._timer.schedule(sandbox_id,
                                      time.time() + min(limit, _IDLE_BUSY_RECHECK_S))

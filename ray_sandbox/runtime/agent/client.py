@@ -1,15 +1,16 @@
 """Host-side client of the in-sandbox agent.
 
-(~710 lines and ~45 methods, one cohesive thing: one method per request the agent serves,
-with its client-side bounds, plus the checkout of pooled connections those requests share,
-and the rate budget of a streamed transfer, which spans a call rather than one connection's
-frame; framing, argument checks and AgentProcess already live in conn.py, args.py,
-process.py, and the activity bookkeeping idle_timeout reads is two short methods over the
-same pool. Splitting the requests would split one protocol's client in two.)
+(~650 lines and ~30 methods, one cohesive thing: one method per request the agent serves,
+with its client-side bounds, and the rate budget of a streamed transfer, which spans a call
+rather than one connection's frame; framing, argument checks, AgentProcess and the pool of
+connections (with the checkpoint hold and the activity idle_timeout reads) live in conn.py,
+args.py, process.py and pool.py. Splitting the requests would split one protocol's client
+in two.)
 
-Each call checks a connection out of a small pool (one connection = one handler process in
-the sandbox), runs one request on it and puts it back. A long-lived :class:`AgentProcess`
-owns its connection until it is closed. Every failure is a :class:`SandboxError` subclass.
+Each call checks a connection out of a small pool (``pool.py``: one connection = one handler
+process in the sandbox), runs one request on it and puts it back. A long-lived
+:class:`AgentProcess` owns its connection until it is closed. Every failure is a
+:class:`SandboxError` subclass.
 
 The agent is untrusted (root in the sandbox can replace it): the client bounds every reply
 itself (output per stream, bytes read, entries listed, frame sizes, see ``conn.py``) and puts
@@ -23,9 +24,7 @@ import os
 import posixpath
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
@@ -42,7 +41,6 @@ from ..errors import (
     SandboxIsADirectoryError,
     SandboxNotADirectoryError,
     SandboxPermissionError,
-    SandboxStateError,
 )
 from ..results import ExecResult, FileInfo, FileType, OutputChunk
 from . import protocol as p
@@ -59,7 +57,8 @@ from .args import (
 )
 from .args import exec_fields as _exec_fields
 from .args import sandbox_path as _sandbox_path
-from .conn import Payload, _Conn, connect_agent_socket
+from .conn import Payload, _Conn
+from .pool import ConnPool
 from .process import AgentProcess as AgentProcess  # spawn() returns it: importable from here
 from .process import _result
 
@@ -151,137 +150,15 @@ class AgentClient:
     ) -> None:  # fmt: skip
         self.socket_path = Path(socket_path)
         self.sandbox_id = sandbox_id
-        self.pool_size = pool_size
         self.io_timeout = self._seconds(io_timeout, "io_timeout")
         self.hung_margin = self._seconds(hung_margin, "hung_margin")
         self.min_rate = min_rate
-        self._idle: list[_Conn] = []
-        self._lock = threading.Lock()
-        self._unheld = threading.Condition(self._lock)
-        self._held = False
-        self._closed = False
-        self._busy: weakref.WeakSet[_Conn] = weakref.WeakSet()  # checked out
-        self._connecting = 0
-        self._procs: weakref.WeakSet[AgentProcess] = weakref.WeakSet()
-        self._last_active = time.monotonic()
-
-    # -- activity (idle_timeout_seconds) ---------------------------------------------------
-
-    def touch(self) -> None:
-        """A call into the sandbox started or ended now."""
-        self._last_active = time.monotonic()
-
-    def idle_since(self) -> float | None:
-        """When the last call into the sandbox started or ended (``time.monotonic``), or
-        None while a call runs or a spawned process that keeps it active lives."""
-        with self._lock:
-            if self._connecting or any(not c.closed for c in self._busy) or \
-                    any(p.keeps_active and not p.done for p in self._procs):
-                return None
-            return self._last_active
-
-    # -- connections ------------------------------------------------------------------
-
-    def _connect(self) -> _Conn:
-        try:
-            sock = connect_agent_socket(self.socket_path)
-        except OSError as exc:
-            raise SandboxDiedError(
-                f"cannot connect to the agent at {self.socket_path}: {exc}",
-                sandbox_id=self.sandbox_id,
-            ) from None
-        return _Conn(sock, self.sandbox_id)
-
-    def _wait_unheld(self) -> None:
-        """Called with the lock held: waits out a :meth:`quiesce`."""
-        self._unheld.wait_for(lambda: not self._held)
-        if self._closed:
-            raise SandboxStateError("agent client is closed", sandbox_id=self.sandbox_id)
-
-    def _checkout(self) -> _Conn:
-        with self._lock:
-            self._wait_unheld()
-            while self._idle:
-                conn = self._idle.pop()
-                # Else the handler died (EOF pending) or the connection is out of step.
-                if not conn.closed and not conn.has_input():
-                    self._busy.add(conn)
-                    self.touch()
-                    return conn
-                conn.close()
-        return self._connect_busy()
-
-    def _connect_busy(self) -> _Conn:
-        """A new connection, counted as busy from before it exists (for :meth:`quiesce`)."""
-        with self._lock:
-            self._wait_unheld()
-            self._connecting += 1
-        try:
-            conn = self._connect()
-            with self._lock:
-                self._busy.add(conn)
-                self.touch()
-            return conn
-        finally:
-            with self._lock:
-                self._connecting -= 1
-
-    def _checkin(self, conn: _Conn) -> None:
-        with self._lock:
-            self._busy.discard(conn)
-            self.touch()
-            if not conn.closed and not self._closed and len(self._idle) < self.pool_size:
-                self._idle.append(conn)
-                return
-        conn.close()
+        # its connections, the hold of a checkpoint and the activity idleness reads
+        self.pool = ConnPool(self.socket_path, sandbox_id, pool_size)
 
     def close(self) -> None:
         """Closes idle connections; later calls raise :class:`SandboxStateError`."""
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, []
-        for conn in idle:
-            conn.close()
-
-    @contextmanager
-    def quiesce(self, timeout: float) -> Iterator[None]:
-        """Holds new calls and waits up to ``timeout`` s for running ones, so that the
-        caller can drop every connection (:meth:`drop_connections`) and checkpoint the
-        sandbox. Calls made meanwhile wait; they go on when the block ends."""
-        deadline = time.monotonic() + timeout
-        with self._lock:
-            self._wait_unheld()
-            self._held = True
-        try:
-            while self._running():
-                if time.monotonic() > deadline:
-                    raise SandboxStateError(
-                        f"calls into the sandbox still running after {timeout:g}s",
-                        sandbox_id=self.sandbox_id,
-                    )
-                time.sleep(0.002)
-            yield
-        finally:
-            with self._lock:
-                self._held = False
-                self._unheld.notify_all()
-
-    def _running(self) -> bool:
-        with self._lock:
-            return self._connecting > 0 or any(not c.closed for c in self._busy)
-
-    def drop_connections(self) -> int:
-        """Closes idle connections and detaches spawned processes (they keep running in the
-        sandbox, see :meth:`AgentProcess.detach`); returns how many processes were detached.
-        Only inside :meth:`quiesce`, after the agent was told to hold."""
-        with self._lock:
-            idle, self._idle = self._idle, []
-            procs = [pr for pr in self._procs if not pr.done]
-        for conn in idle:
-            conn.close()
-        for pr in procs:
-            pr.detach()
-        return len(procs)
+        self.pool.close()
 
     def __enter__(self) -> AgentClient:
         return self
@@ -317,13 +194,13 @@ class AgentClient:
     def ping(self, timeout: float = PING_TIMEOUT) -> str:
         """The agent's version string (compare with :func:`expected_version`)."""
         deadline = time.monotonic() + self._seconds(timeout, "timeout")
-        conn = self._checkout()
+        conn = self.pool.checkout()
         conn.send(p.request(p.Op.PING), deadline=deadline)
         ftype, payload = conn.read_reply(deadline)
         if ftype != p.Reply.OK:
             raise self._unexpected(conn, ftype)
         version = conn.decode(p.parse_version, payload)
-        self._checkin(conn)
+        self.pool.checkin(conn)
         return version
 
     def wait_ready(self, timeout: float) -> str:
@@ -393,7 +270,7 @@ class AgentClient:
         self, req: bytes, stdin: bytes | bytearray | memoryview, wait: float | None,
         limit: int | None,
     ) -> Iterator[OutputChunk | ExecResult]:  # fmt: skip
-        conn = self._checkout()
+        conn = self.pool.checkout()
         released = False
         writer = None
         try:
@@ -437,7 +314,7 @@ class AgentClient:
                     if ex is not None and ex.retire:
                         conn.close()
                     else:
-                        self._checkin(conn)
+                        self.pool.checkin(conn)
                     if ex is None:
                         raise self._exec_error(conn, payload)
                     yield _result(ex, b"", b"")
@@ -467,7 +344,7 @@ class AgentClient:
         ``timed_out``), whether or not anyone is reading; None: it runs until it ends."""
         req = _exec_fields(argv, env, cwd, user, timeout, None, pty, self.sandbox_id)
         check_int(max_buffer_bytes, "max_buffer_bytes", self.sandbox_id)
-        conn = self._connect_busy()  # a quiesce waits until it is an AgentProcess
+        conn = self.pool.connect_busy()  # a quiesce waits until it is an AgentProcess
         try:
             conn.send(req, deadline=self._io_deadline())
             ftype, payload = conn.read_reply(self._io_deadline())
@@ -481,30 +358,28 @@ class AgentClient:
         except BaseException:
             conn.close()
             raise
-        with self._lock:
-            self._busy.discard(conn)
-            self._procs.add(proc)
+        self.pool.adopt(conn, proc)
         return proc
 
     # -- files --------------------------------------------------------------------------
 
     def _simple(self, op: p.Op, fields: list[p.Field]) -> None:
-        conn = self._checkout()
+        conn = self.pool.checkout()
         conn.send(p.request(op, fields), deadline=self._io_deadline())
         ftype, payload = conn.read_reply(self._io_deadline())
         if ftype == p.Reply.ERROR:
             exc = self._file_error(conn, payload)
-            self._checkin(conn)
+            self.pool.checkin(conn)
             raise exc
         if ftype != p.Reply.OK:
             raise self._unexpected(conn, ftype)
-        self._checkin(conn)
+        self.pool.checkin(conn)
 
     def _stream(self, req: bytes, item: int, take: Callable[[_Conn, Payload], T],
                 data_max: int = p.FRAME_MAX) -> Iterator[T]:  # fmt: skip
         """Send ``req``, then yield ``take(conn, payload)`` for each ``item`` frame until OK;
         ERROR raises. ``take`` decodes and enforces the call's bounds (it may raise)."""
-        conn = self._checkout()
+        conn = self.pool.checkout()
         done = False
         budget = _Budget(self)
         try:
@@ -524,7 +399,7 @@ class AgentClient:
                     raise self._unexpected(conn, ftype)
         finally:
             if done:
-                self._checkin(conn)
+                self.pool.checkin(conn)
             else:
                 conn.close()
 
@@ -607,7 +482,7 @@ class AgentClient:
         if len(req) > READS_MAX_BYTES:
             raise SandboxFileError(f"a READS request of {len(req)} bytes (at most "
                                    f"{READS_MAX_BYTES})", sandbox_id=sid)
-        conn = self._checkout()
+        conn = self.pool.checkout()
         done = False
         budget = _Budget(self)
         i = got = 0
@@ -637,7 +512,7 @@ class AgentClient:
                     raise self._unexpected(conn, ftype)
         finally:
             if done:
-                self._checkin(conn)
+                self.pool.checkin(conn)
             else:
                 conn.close()
 
@@ -661,7 +536,7 @@ class AgentClient:
             (p.Tag.PARENTS, int(parents)),
         ]
         chunks = upload_chunks(data, self.sandbox_id)
-        conn = self._checkout()
+        conn = self.pool.checkout()
         done = False
         budget = _Budget(self)
         try:
@@ -680,24 +555,24 @@ class AgentClient:
                 raise self._unexpected(conn, ftype)
         finally:
             if done:
-                self._checkin(conn)
+                self.pool.checkin(conn)
             else:
                 conn.close()  # mid-upload: the agent drops its temp file
 
     def stat(self, path: PathArg, *, follow_symlinks: bool = False) -> FileInfo:
         raw = _sandbox_path(path, self.sandbox_id)
-        conn = self._checkout()
+        conn = self.pool.checkout()
         conn.send(p.request(p.Op.STAT, [(p.Tag.PATH, raw), (p.Tag.FOLLOW, int(follow_symlinks))]),
                   deadline=self._io_deadline())  # fmt: skip
         ftype, payload = conn.read_reply(self._io_deadline())
         if ftype == p.Reply.ERROR:
             exc = self._file_error(conn, payload)
-            self._checkin(conn)
+            self.pool.checkin(conn)
             raise exc
         if ftype != p.Reply.ENTRY:
             raise self._unexpected(conn, ftype)
         entry = conn.decode(p.parse_entry, payload)
-        self._checkin(conn)
+        self.pool.checkin(conn)
         return _to_info(entry, raw)
 
     def exists(self, path: PathArg) -> bool:

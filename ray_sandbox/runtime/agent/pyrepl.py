@@ -150,7 +150,7 @@ class PythonContext:
                 return self._run(proc, code, timeout, start)
             finally:
                 proc.keeps_active = False
-                self._client.touch()
+                self._client.pool.touch()
 
     def _run(self, proc: AgentProcess, code: str, timeout: float | None,
              start: float) -> PythonResult:
