@@ -18,7 +18,8 @@ The actor's surface is every call a handle, the service or another node makes of
 The sandbox's verbs are not written here: ``call``/``stream`` dispatch any row of the verb
 table (runtime/verbs.py) to the runtime, or to this module's function for the few verbs the
 host adds to (``_OWN``). What runs here is kept in ``residents``, how sandboxes come up in
-``boots``, and blocks, stock, copies, transfers and the channel in their own modules.
+``boots``, the suspension calls in ``suspend`` (``SleepCalls``, which this class inherits),
+and blocks, stock, copies, transfers and the channel in their own modules.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from ..runtime.errors import (
     SandboxError,
     SandboxNotFoundError,
 )
-from ..runtime.results import ExecResult, SandboxLink, SandboxStatus
+from ..runtime.results import ExecResult, SandboxLink
 from ..runtime.snapshot import Snapshot, SnapshotDir
 from ..runtime.verbs import ExecRequest, LinkRequest, Request, SpawnRequest, Verb
 from . import metrics
@@ -63,7 +64,7 @@ from .labels import (
 from .placement import PG_LABEL, bundle_label, pg_gone, release_reaped
 from .residents import Residents
 from .stock import Stock
-from .suspend import Sleep
+from .suspend import Sleep, SleepCalls
 from .transfer import ImageImports, SnapshotImports, fetch, rechunk
 
 _WATCH_INTERVAL = 1.0
@@ -94,10 +95,11 @@ def _dead_jobs() -> set[str]:
         return set()
 
 
-class SandboxHost:
+class SandboxHost(SleepCalls):
     """The per-node actor: the runtime's verbs for every sandbox of its node (``call``,
     ``stream``: runtime/verbs.py), creates and copies under Ray's reservations, and the
-    transfers that cross nodes through the object store."""
+    transfers that cross nodes through the object store. Its suspension calls (suspend,
+    wake, take_over, find_suspended, suspended) are written in suspend.py (``SleepCalls``)."""
 
     def __init__(self, home: str | None = None) -> None:
         self.node_id = ray.get_runtime_context().get_node_id()
@@ -247,7 +249,7 @@ class SandboxHost:
         return cfg.model_copy(update={"labels": {k: v for k, v in cfg.labels.items()
                                                  if not k.startswith("ray-sandbox/")}})
 
-    # --- snapshots, copies, suspension, filesystem images -----------------------------------
+    # --- snapshots, copies, filesystem images (suspension: suspend.SleepCalls) -------------
 
     def snapshot(self, sandbox_id: str, labels: dict[str, str] | None = None,
                  detach: bool = False) -> Snapshot:
@@ -288,62 +290,6 @@ class SandboxHost:
 
     def delete_snapshot(self, snapshot_id: str) -> None:
         self._rt.snapshots.delete(snapshot_id)
-
-    def suspend(self, sandbox_id: str) -> SandboxStatus:
-        """Checkpoint the sandbox to disk in place, end its container and give its Ray
-        reservation back (docs/snapshots.md, "Idle suspend"); status SUSPENDED until the
-        next call into it, or ``ray_sandbox.resume``, brings it back. Idempotent. Waits up
-        to 30 s for calls inside it; CapacityError past the node's disk budget."""
-        with self._here.lock:
-            moved = self._here.moved.get(sandbox_id)
-            asleep = sandbox_id in self._here.asleep
-        if moved is not None:
-            return self._sleep.forward(sandbox_id, moved,
-                                       lambda h: h.suspend.remote(sandbox_id))
-        if not asleep:
-            self._rt.record(sandbox_id)  # SandboxNotFoundError for an unknown id
-            self._sleep.suspend(sandbox_id, reason="Suspended", strict=True)
-        return self._rt.get_status(sandbox_id)
-
-    def wake(self, sandbox_id: str, placement: str = "any",
-             timeout: float | None = None) -> tuple[str, str | None]:
-        """Resume a sandbox suspended here (``ray_sandbox.resume``): on this node when it
-        has room, else wherever Ray has room (``placement``: "any", "local" or a node id).
-        Returns (the node it runs on, its name)."""
-        def wake(sid: str) -> None:
-            self._sleep.wake(sid, placement, timeout)
-
-        with self._here.lock:
-            name = self._here.names.get(sandbox_id) or (
-                a.name if (a := self._here.asleep.get(sandbox_id)) else None)
-        with self._here.inside(sandbox_id, wake) as moved:
-            if moved is None:
-                self._rt.record(sandbox_id)  # SandboxNotFoundError for an unknown id
-            return moved or self.node_id, name
-
-    def take_over(self, key: str, placement: str = "any") -> tuple[str, str | None] | None:
-        """Resume here a sandbox suspended on the shared path (RAY_SANDBOX_SUSPEND_DIR) by a
-        node that is gone; (this node, its name), or None if there is none of that key."""
-        return self._sleep.take_over(key, placement)
-
-    def find_suspended(self, key: str) -> str | None:
-        """The id of the sandbox suspended here whose id or name is ``key``."""
-        with self._here.lock:
-            for sid, asleep in self._here.asleep.items():
-                if key in (sid, asleep.name):
-                    return sid
-        return None
-
-    def suspended(self) -> dict[str, int | None]:
-        """This node's suspended sandboxes: how many, the disk their checkpoints take, the
-        node's budget for them (None: unlimited), sandboxes that moved away, and what this
-        host did since it started (suspends, refused suspends, resumes, moves)."""
-        with self._here.lock:
-            n = len(self._here.asleep)
-            size = sum(a.size_bytes for a in self._here.asleep.values())
-            moved = len(self._here.moved)
-        return {"suspended": n, "bytes": size, "budget": self._sleep.budget, "moved": moved,
-                **self._sleep.counts}
 
     def snapshot_filesystem(self, sandbox_id: str, max_bytes: int | None = None) -> str:
         """The sandbox's files as an image; its reference works on any node."""

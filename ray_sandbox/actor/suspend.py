@@ -41,7 +41,7 @@ from ..runtime.errors import (
     SandboxStateError,
 )
 from ..runtime.records import ID_RE
-from ..runtime.results import SandboxState
+from ..runtime.results import SandboxState, SandboxStatus
 from ..runtime.snapshot import SnapshotDir, pack
 from ..runtime.verbs import NoRequest
 from . import metrics
@@ -402,6 +402,74 @@ class Sleep:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
+
+
+
+class SleepCalls:
+    """The host actor's suspension calls (``ray_sandbox.suspend``/``resume``, the idle
+    figures), written here beside :class:`Sleep`, which does the work; ``SandboxHost``
+    inherits them, so they are its remote methods."""
+
+    node_id: str
+    _rt: SandboxRuntime
+    _here: Residents
+    _sleep: Sleep
+
+    def suspend(self, sandbox_id: str) -> SandboxStatus:
+        """Checkpoint the sandbox to disk in place, end its container and give its Ray
+        reservation back (docs/snapshots.md, "Idle suspend"); status SUSPENDED until the
+        next call into it, or ``ray_sandbox.resume``, brings it back. Idempotent. Waits up
+        to 30 s for calls inside it; CapacityError past the node's disk budget."""
+        with self._here.lock:
+            moved = self._here.moved.get(sandbox_id)
+            asleep = sandbox_id in self._here.asleep
+        if moved is not None:
+            return self._sleep.forward(sandbox_id, moved,
+                                       lambda h: h.suspend.remote(sandbox_id))
+        if not asleep:
+            self._rt.record(sandbox_id)  # SandboxNotFoundError for an unknown id
+            self._sleep.suspend(sandbox_id, reason="Suspended", strict=True)
+        return self._rt.get_status(sandbox_id)
+
+    def wake(self, sandbox_id: str, placement: str = "any",
+             timeout: float | None = None) -> tuple[str, str | None]:
+        """Resume a sandbox suspended here (``ray_sandbox.resume``): on this node when it
+        has room, else wherever Ray has room (``placement``: "any", "local" or a node id).
+        Returns (the node it runs on, its name)."""
+        def wake(sid: str) -> None:
+            self._sleep.wake(sid, placement, timeout)
+
+        with self._here.lock:
+            name = self._here.names.get(sandbox_id) or (
+                a.name if (a := self._here.asleep.get(sandbox_id)) else None)
+        with self._here.inside(sandbox_id, wake) as moved:
+            if moved is None:
+                self._rt.record(sandbox_id)  # SandboxNotFoundError for an unknown id
+            return moved or self.node_id, name
+
+    def take_over(self, key: str, placement: str = "any") -> tuple[str, str | None] | None:
+        """Resume here a sandbox suspended on the shared path (RAY_SANDBOX_SUSPEND_DIR) by a
+        node that is gone; (this node, its name), or None if there is none of that key."""
+        return self._sleep.take_over(key, placement)
+
+    def find_suspended(self, key: str) -> str | None:
+        """The id of the sandbox suspended here whose id or name is ``key``."""
+        with self._here.lock:
+            for sid, asleep in self._here.asleep.items():
+                if key in (sid, asleep.name):
+                    return sid
+        return None
+
+    def suspended(self) -> dict[str, int | None]:
+        """This node's suspended sandboxes: how many, the disk their checkpoints take, the
+        node's budget for them (None: unlimited), sandboxes that moved away, and what this
+        host did since it started (suspends, refused suspends, resumes, moves)."""
+        with self._here.lock:
+            n = len(self._here.asleep)
+            size = sum(a.size_bytes for a in self._here.asleep.values())
+            moved = len(self._here.moved)
+        return {"suspended": n, "bytes": size, "budget": self._sleep.budget, "moved": moved,
+                **self._sleep.counts}
 
 
 def _node_alive(node: str) -> bool:
