@@ -24,7 +24,8 @@ import json
 import logging
 import struct
 import time
-from collections.abc import AsyncIterator, Callable
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,7 @@ audit_log = logging.getLogger("ray_sandbox.service.audit")  # the HTTP ingress's
 CONTROL = "/modal.client.ModalClient/"
 ROUTER = "/modal.task_command_router.TaskCommandRouter/"
 JWT_HEADER = base64.urlsafe_b64encode(b'{"alg":"HS256","typ":"JWT"}').rstrip(b"=").decode()
+JWT_TTL = 3600.0  # a JWT the service hands out (the router's, AuthTokenGet's) lasts this long
 BIND_RETRY_S = 5.0  # a replica that could not bind the port tries again this often
 
 # The HTTP statuses of the service's refusals and errors (``_errors``) as gRPC codes, so
@@ -101,6 +103,30 @@ def invalid(message: str) -> GRPCError:
 
 def not_found(message: str) -> GRPCError:
     return GRPCError(Status.NOT_FOUND, message)
+
+
+MAX_PER_TENANT = 1024  # apps, secrets, ephemeral volumes kept per tenant (LRU)
+
+
+def bounded_put(table: OrderedDict[str, Any], key: str, value: Any) -> None:
+    """``table[key] = value``, the least recently put forgotten past ``MAX_PER_TENANT``."""
+    table[key] = value
+    table.move_to_end(key)
+    while len(table) > MAX_PER_TENANT:
+        table.popitem(last=False)
+
+
+def hash_id(prefix: str, *parts: str) -> str:
+    """A Modal-style id (``ap-…``, ``st-…``) that is the same for the same parts."""
+    return f"{prefix}-" + hashlib.sha256("\0".join(parts).encode()).hexdigest()[:22]
+
+
+def spawn(tasks: set[asyncio.Task[Any]], coro: Any) -> None:
+    """Run ``coro`` in the background, held in ``tasks`` until it ends (a task nobody
+    holds may be collected while it runs)."""
+    task = asyncio.ensure_future(coro)
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
 
 
 # --- the router's JWT ------------------------------------------------------------------------
@@ -183,24 +209,35 @@ class Shares:
             del self._held[key]
 
 
-class Ingress:
-    """Serves the handlers of ``control`` and ``router`` (objects with a method per RPC
-    name) on ``modal_port``; authentication, shares, bounds, audit and errors here."""
+def _declared(impls: Sequence[object], name: str) -> Callable[..., Any] | None:
+    """The handler of RPC ``name``: the one object of ``impls`` that declares it (None if
+    none does); two declaring it is a wiring error, found when the ingress is made."""
+    found = [getattr(impl, name) for impl in impls if getattr(impl, name, None) is not None]
+    if len(found) > 1:
+        raise ValueError(f"RPC {name} has {len(found)} handlers")
+    return found[0] if found else None
 
-    def __init__(self, config: ServiceConfig, control: Any, router: Any) -> None:
+
+class Ingress:
+    """Serves the handlers of ``control`` and ``router`` (for each service, the objects
+    that declare its RPCs, one method per RPC name, each name in exactly one of them) on
+    ``modal_port``; authentication, shares, bounds, audit and errors here."""
+
+    def __init__(self, config: ServiceConfig, control: Sequence[object],
+                 router: Sequence[object]) -> None:
         self._config = config
         self._tokens = {t: s.get_secret_value().encode() for t, s in config.tokens.items()}
         self._shares = Shares(config)
         self._server: Server | None = None
         self._binding: asyncio.Task[None] | None = None
         table: dict[str, Handler] = {}
-        for base, impl, prefix in ((api_grpc.ModalClientBase, control, CONTROL),
-                                   (task_command_router_grpc.TaskCommandRouterBase, router,
-                                    ROUTER)):
+        for base, impls, prefix in ((api_grpc.ModalClientBase, control, CONTROL),
+                                    (task_command_router_grpc.TaskCommandRouterBase, router,
+                                     ROUTER)):
             names: Any = _Names()  # stands in for an implementation (see _Names)
             for path, h in base.__mapping__(names).items():
                 name = path.removeprefix(prefix)
-                fn = getattr(impl, name, None)
+                fn = _declared(impls, name)
                 table[path] = h._replace(func=self._handler(name, prefix, h.cardinality, fn))
         self._table = table
 

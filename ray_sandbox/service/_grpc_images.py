@@ -1,4 +1,5 @@
-"""Modal's images, as its client sends them: each ``ImageGetOrCreate`` is one layer, a
+"""Modal's images, as its client sends them (``ImageGetOrCreate``, ``ImageJoinStreaming``,
+``ImageFromId``, handled by :class:`Images`): each ``ImageGetOrCreate`` is one layer, a
 Dockerfile whose ``FROM`` is either a registry reference (``Image.from_registry``, the first
 line of ``from_dockerfile``) or ``base``, the parent layer (``base_images``), with the
 layer's own Dockerfile commands (one DSL step each: ``.pip_install`` is ``RUN python -m pip
@@ -27,6 +28,7 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,15 +36,19 @@ from typing import Any
 import anyio
 import anyio.to_thread
 import ray
+from modal_proto import api_pb2
 
 from ..runtime import SandboxRuntime, docker, paths
 from ..runtime.config import PullNetwork
 from ..runtime.errors import ImageBuildError, SandboxError
 from ..runtime.images import ImageStore
 from ._config import ServiceConfig
-from ._grpc import invalid, not_found, unimplemented
+from ._grpc import Call, invalid, not_found, unimplemented
 from ._kept import FS_IMAGE_SCHEME
 
+BUILDER_VERSION = "2025.06"  # one the 1.6 client accepts, whose debian_slim is known here
+R = api_pb2.GenericResult
+JOIN_CAP = 50.0  # an image join answers within the client's 55 s
 MAX_IMAGES = 1024  # kept per tenant (least recently used forgotten)
 MAX_LOG_LINES = 2000  # of one build, for the client's join
 MAX_LOG_LINE = 4096  # characters of one line
@@ -267,6 +273,74 @@ class Images:
                 await asyncio.wait_for(image.changed.wait(), deadline - time.monotonic())
             except TimeoutError:
                 return
+
+    # --- the image handlers ------------------------------------------------------------------
+
+    async def ImageGetOrCreate(self, call: Call, req: api_pb2.ImageGetOrCreateRequest) -> Any:
+        img = req.image
+        refused = [what for what, on in (
+            ("Image.add_local_* and from_dockerfile context files (context mounts)",
+             bool(img.context_mount_id or img.context_files)),
+            ("image build functions (Image.run_function)",
+             bool(img.build_function_def or img.HasField("build_function"))),
+            ("secrets in image builds", bool(img.secret_ids)),
+            ("GPUs in image builds", bool(img.gpu_config.type or img.gpu_config.count)),
+            ("registry credentials (Image.from_aws_ecr, from_gcp_artifact_registry, "
+             "registry_secret)", bool(img.image_registry_config.secret_id)),
+            ("build_args", bool(img.build_args)),
+            ("volumes in image builds", bool(img.volume_mounts)),
+        ) if on]
+        bases = {b.docker_tag: b.image_id for b in img.base_images}
+        image = await self.get_or_create(call.tenant, list(img.dockerfile_commands),
+                                         bases, refused)
+        out = api_pb2.ImageGetOrCreateResponse(image_id=image.image_id)
+        if image.state != "building":
+            out.result.CopyFrom(image_result(image))
+            out.metadata.CopyFrom(image_metadata(image))
+        return out
+
+    async def ImageJoinStreaming(self, call: Call,
+                                 req: api_pb2.ImageJoinStreamingRequest) -> AsyncIterator[Any]:
+        image = self.find(call.tenant, req.image_id)
+        sent = int(req.last_entry_id) if req.last_entry_id.isdigit() else 0
+        deadline = time.monotonic() + min(req.timeout or JOIN_CAP, JOIN_CAP)
+        while True:
+            if sent < len(image.logs):
+                lines = image.logs[sent:]
+                sent += len(lines)
+                yield api_pb2.ImageJoinStreamingResponse(
+                    task_logs=[api_pb2.TaskLogs(data=line + "\n",
+                                                file_descriptor=api_pb2.FILE_DESCRIPTOR_STDOUT)
+                               for line in lines], entry_id=str(sent))
+                continue
+            if image.state != "building":
+                yield api_pb2.ImageJoinStreamingResponse(
+                    result=image_result(image), metadata=image_metadata(image),
+                    entry_id=str(sent), eof=True)
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return  # the client joins again from its last entry
+            await self.wait(image, left)
+
+    async def ImageFromId(self, call: Call, req: api_pb2.ImageFromIdRequest) -> Any:
+        image = self.find(call.tenant, req.image_id)
+        return api_pb2.ImageFromIdResponse(image_id=image.image_id,
+                                           metadata=image_metadata(image))
+
+
+def image_result(image: WireImage) -> api_pb2.GenericResult:
+    if image.state == "failed":
+        return R(status=R.GENERIC_STATUS_FAILURE, exception=image.error or "build failed")
+    return R(status=R.GENERIC_STATUS_SUCCESS)
+
+
+def image_metadata(image: WireImage) -> api_pb2.ImageMetadata:
+    out = api_pb2.ImageMetadata(image_builder_version=BUILDER_VERSION)
+    workdir = image.workdir()
+    if workdir:
+        out.workdir = workdir
+    return out
 
 
 def _build_error(exc: ImageBuildError) -> str:

@@ -23,10 +23,11 @@ from ..runtime.results import FileInfo, FileType
 from ..runtime.verbs import SpawnRequest
 from ._config import ServiceConfig
 from ._grpc import Call, invalid, not_found, unimplemented
-from ._grpc_control import Control, egress_of
 from ._grpc_images import SNAPSHOT_PREFIX
+from ._grpc_lifecycle import egress_of
 from ._grpc_procs import Collecting, Finished, Proc, fs_error
-from ._grpc_sandboxes import WireSandbox, api_id_of
+from ._grpc_sandboxes import WireSandbox, WireSandboxes, api_id_of
+from ._grpc_secrets import Secrets
 from ._kept import FS_IMAGE_SCHEME
 from ._sandboxes import Sandboxes
 
@@ -45,13 +46,15 @@ _FS_KINDS: tuple[tuple[type[e.SandboxError], str], ...] = (
 
 
 class Router:
-    """The router handlers, over the control plane's records (``Control.wire``)."""
+    """The router handlers, over Modal's view of the sandboxes (``wire``, the control
+    plane's) and the tenants' inline secrets."""
 
-    def __init__(self, config: ServiceConfig, sandboxes: Sandboxes, control: Control) -> None:
+    def __init__(self, config: ServiceConfig, sandboxes: Sandboxes, wire: WireSandboxes,
+                 secrets: Secrets) -> None:
         self._config = config
         self._sandboxes = sandboxes
-        self._control = control
-        self._wire = control.wire
+        self._wire = wire
+        self._secrets = secrets
 
     async def _rec(self, call: Call, some_id: str) -> WireSandbox:
         """The sandbox the call's JWT names, which must be the one it asks about."""
@@ -86,7 +89,7 @@ class Router:
         if argv[0] == FS_TOOLS:
             execs[req.exec_id] = await self._fs_tools(entry.handle, argv, caps)
             return tcr.TaskExecStartResponse()
-        env = self._control._env(call.tenant, req.secret_sources, req.secret_ids)
+        env = self._secrets.env(call.tenant, req.secret_sources, req.secret_ids)
         env.update(dict(req.env))
         cap = self._config.max_exec_timeout
         timeout = min(float(req.timeout_secs), cap) if req.HasField("timeout_secs") and \
