@@ -44,7 +44,8 @@ class Deployed:
 
     def books(self) -> Any:
         """The app's books opened beside it (another holder of its database)."""
-        from ray_sandbox.service._state import Books, Bounds, db_spec
+        from ray_sandbox.service._bounds import Bounds
+        from ray_sandbox.service._state import Books, db_spec
 
         return Books(Bounds.of(self.config), db_spec(self.config), "ray-sandbox")
 

@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..runtime.volumes import VolumeInfo
 from . import _archives, _errors, _ports
+from ._bounds import FS_IMAGE, SNAPSHOT
 from ._config import ServiceConfig
 from ._kept import FS_IMAGE_SCHEME
 from ._models import (
@@ -40,7 +41,7 @@ from ._models import (
 )
 from ._sandboxes import Sandboxes
 from ._secrets import PutSecret, TenantSecrets
-from ._state import FS_IMAGE, SNAPSHOT, connect
+from ._state import connect
 
 PREFIX = "/api/v1"
 PUBLIC = frozenset({f"{PREFIX}/health", f"{PREFIX}/openapi.json"})
