@@ -193,8 +193,8 @@ def test_reconcile_reports_orphans_and_deletes_them_after_a_grace(svc: Deployed)
     import ray_sandbox
     from ray_sandbox.cli import app
     from ray_sandbox.service._bounds import FS_IMAGE
+    from ray_sandbox.service._entry import TENANT_LABEL
     from ray_sandbox.service._inventory import collect
-    from ray_sandbox.service._sandboxes import TENANT_LABEL
     from ray_sandbox.service._volumes import prefix
 
     with svc.client() as c:

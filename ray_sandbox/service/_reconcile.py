@@ -35,7 +35,7 @@ from ..runtime.volumes import VolumeInfo
 from . import _inventory
 from ._bounds import FS_IMAGE, SNAPSHOT, Bounds
 from ._config import ServiceConfig
-from ._sandboxes import CPU_LABEL, MEMORY_LABEL, TENANT_LABEL
+from ._entry import CPU_LABEL, MEMORY_LABEL, TENANT_LABEL
 from ._state import HEAD, LOST, Books, db_spec, on_head
 from ._volumes import prefix
 
