@@ -44,7 +44,8 @@ class Deployed:
 
     def books(self) -> Any:
         """The app's books opened beside it (another holder of its database)."""
-        from ray_sandbox.service._state import Books, Bounds, db_spec
+        from ray_sandbox.service._bounds import Bounds
+        from ray_sandbox.service._state import Books, db_spec
 
         return Books(Bounds.of(self.config), db_spec(self.config), "ray-sandbox")
 
@@ -65,7 +66,7 @@ def teardown(d: Deployed | None) -> None:
 
     import ray_sandbox
     from ray_sandbox import service as svc
-    from ray_sandbox.service._sandboxes import TENANT_LABEL
+    from ray_sandbox.service._entry import TENANT_LABEL
 
     for tenant in (*TOKENS, "ghost"):
         handles = ray_sandbox.list({TENANT_LABEL: tenant})
@@ -108,7 +109,7 @@ def kill_the_state_actor_mid_load(d: Deployed, seconds: float = 12.0) -> None:
 
     import ray_sandbox
     from ray_sandbox.service import APP_NAME
-    from ray_sandbox.service._sandboxes import TENANT_LABEL
+    from ray_sandbox.service._entry import TENANT_LABEL
     from ray_sandbox.service._state import NAMESPACE, actor_name
 
     small = {"image": "ray-sandbox/busybox", "cpu": 0.1, "memory": "64Mi"}

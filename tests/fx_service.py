@@ -112,7 +112,7 @@ def _delete_service_sandboxes() -> None:
     import ray
 
     import ray_sandbox
-    from ray_sandbox.service._sandboxes import TENANT_LABEL
+    from ray_sandbox.service._entry import TENANT_LABEL
 
     for tenant in TOKENS:
         handles = ray_sandbox.list({TENANT_LABEL: tenant})

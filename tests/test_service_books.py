@@ -12,7 +12,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from ray_sandbox.service._state import FS_IMAGE, LOST, SNAPSHOT, UNSEEDED, Books, Bounds
+from ray_sandbox.service._bounds import FS_IMAGE, SNAPSHOT, Bounds
+from ray_sandbox.service._state import LOST, UNSEEDED, Books
 from tests.fx_postgres import postgres  # noqa: F401 - the fixture
 
 QUOTA = {"sandboxes": 2, "cpu": 1.0, "memory": 1 << 30}
@@ -45,25 +46,25 @@ async def seeded(b: Books, tenant: str = "t") -> None:
 def test_the_books_keep_each_kind_per_tenant_within_its_own_limit(db):
     async def main() -> None:
         b = books(db, max_fs_images=2)
-        assert await b.keep(SNAPSHOT, "t", "s1", {"n": 1}) is None
-        assert "1 snapshots kept" in await b.keep(SNAPSHOT, "t", "s2", {})
+        assert await b.kept.keep(SNAPSHOT, "t", "s1", {"n": 1}) is None
+        assert "1 snapshots kept" in await b.kept.keep(SNAPSHOT, "t", "s2", {})
         for key in ("i1", "i2"):  # another kind counts apart
-            assert await b.keep(FS_IMAGE, "t", key, {"ref": key}) is None
-        assert "2 filesystem images kept" in await b.keep(FS_IMAGE, "t", "i3", {})
-        assert await b.keep(SNAPSHOT, "u", "s1", {"n": 2}) is None  # and another tenant
-        assert await b.kept(SNAPSHOT, "u", "s1") == {"n": 2}
-        assert await b.kept(FS_IMAGE, "u", "i1") is None
-        assert await b.kept_keys(FS_IMAGE, "t") == ["i1", "i2"]
-        assert await b.drop(FS_IMAGE, "t", "i1") == {"ref": "i1"}
-        assert await b.drop(FS_IMAGE, "t", "i1") is None
-        assert await b.keep(FS_IMAGE, "t", "i3", {}) is None
+            assert await b.kept.keep(FS_IMAGE, "t", key, {"ref": key}) is None
+        assert "2 filesystem images kept" in await b.kept.keep(FS_IMAGE, "t", "i3", {})
+        assert await b.kept.keep(SNAPSHOT, "u", "s1", {"n": 2}) is None  # and another tenant
+        assert await b.kept.kept(SNAPSHOT, "u", "s1") == {"n": 2}
+        assert await b.kept.kept(FS_IMAGE, "u", "i1") is None
+        assert await b.kept.kept_keys(FS_IMAGE, "t") == ["i1", "i2"]
+        assert await b.kept.drop(FS_IMAGE, "t", "i1") == {"ref": "i1"}
+        assert await b.kept.drop(FS_IMAGE, "t", "i1") is None
+        assert await b.kept.keep(FS_IMAGE, "t", "i3", {}) is None
         # lost: listed apart, still counted until deleted, found again when seen
-        await b.mark_lost(FS_IMAGE, "t", "i2", "lost: gone")
-        assert await b.kept_list(FS_IMAGE, "t") == {"keys": ["i3"], "lost": ["i2"]}
-        assert (await b.kept(FS_IMAGE, "t", "i2"))["lost"] == "lost: gone"
-        assert "(1 of them lost)" in await b.keep(FS_IMAGE, "t", "i4", {})
-        await b.mark_lost(FS_IMAGE, "t", "i2", None)
-        assert await b.kept_keys(FS_IMAGE, "t") == ["i2", "i3"]
+        await b.kept.mark_lost(FS_IMAGE, "t", "i2", "lost: gone")
+        assert await b.kept.kept_list(FS_IMAGE, "t") == {"keys": ["i3"], "lost": ["i2"]}
+        assert (await b.kept.kept(FS_IMAGE, "t", "i2"))["lost"] == "lost: gone"
+        assert "(1 of them lost)" in await b.kept.keep(FS_IMAGE, "t", "i4", {})
+        await b.kept.mark_lost(FS_IMAGE, "t", "i2", None)
+        assert await b.kept.kept_keys(FS_IMAGE, "t") == ["i2", "i3"]
 
     run(main())
 
@@ -142,20 +143,20 @@ def test_a_client_token_answers_with_the_same_create_or_a_conflict(db):
 def test_the_books_bound_exec_results_and_wake_a_waiting_poll(db):
     async def main():
         b = books(db)
-        assert await b.exec_started("t", "s", "e1", 60) is None
-        assert await b.exec_started("t", "s", "e2", 60) is None
-        assert "running" in await b.exec_started("t", "s", "e3", 60)  # none finished: 429
-        waiting = asyncio.ensure_future(b.exec_record("t", "s", "e1", 30))
+        assert await b.execs.exec_started("t", "s", "e1", 60) is None
+        assert await b.execs.exec_started("t", "s", "e2", 60) is None
+        assert "running" in await b.execs.exec_started("t", "s", "e3", 60)  # none finished: 429
+        waiting = asyncio.ensure_future(b.execs.exec_record("t", "s", "e1", 30))
         await asyncio.sleep(0)
         t0 = time.monotonic()
-        await b.exec_finished("s", "e1", {"exec_id": "e1", "status": "completed",
+        await b.execs.exec_finished("s", "e1", {"exec_id": "e1", "status": "completed",
                                           "stdout": "x"})
         assert (await waiting)["status"] == "completed"
         assert time.monotonic() - t0 < 20  # woken, not timed out (a loose bound)
-        assert await b.exec_record("u", "s", "e1") is None  # another tenant's: unknown
-        assert await b.exec_started("t", "s", "e3", 60) is None  # e1, finished, evicted
-        assert await b.exec_record("t", "s", "e1") is None
-        assert (await b.exec_record("t", "s", "e2"))["status"] == "running"
+        assert await b.execs.exec_record("u", "s", "e1") is None  # another tenant's: unknown
+        assert await b.execs.exec_started("t", "s", "e3", 60) is None  # e1, finished, evicted
+        assert await b.execs.exec_record("t", "s", "e1") is None
+        assert (await b.execs.exec_record("t", "s", "e2"))["status"] == "running"
 
     run(main())
 
@@ -169,26 +170,26 @@ def test_the_books_count_running_execs_and_kept_output_per_tenant(db):
 
     async def main():
         b = books(db)
-        assert await b.exec_started("u", "theirs", "kept", 60) is None
-        await b.exec_finished("theirs", "kept", done("kept", "yes"))
-        assert await b.exec_started("t", "s1", "a", 60) is None
-        assert await b.stream_started("t", "s1", "st", "key") is None
-        assert await b.stream_key("t", "s1", "st") == "key"
-        assert await b.stream_key("u", "s1", "st") is None
-        assert await b.exec_started("t", "s2", "b", 60) is None
-        assert "max_running_execs_per_tenant" in await b.exec_started("t", "s2", "c", 60)
-        assert "max_running_execs_per_tenant" in await b.stream_started("t", "s2", "x", "k")
-        assert await b.exec_started("u", "theirs", "more", 60) is None  # the other's own
-        await b.stream_ended("s1", "st")
-        assert await b.exec_started("t", "s2", "c", 60) is None
+        assert await b.execs.exec_started("u", "theirs", "kept", 60) is None
+        await b.execs.exec_finished("theirs", "kept", done("kept", "yes"))
+        assert await b.execs.exec_started("t", "s1", "a", 60) is None
+        assert await b.execs.stream_started("t", "s1", "st", "key") is None
+        assert await b.execs.stream_key("t", "s1", "st") == "key"
+        assert await b.execs.stream_key("u", "s1", "st") is None
+        assert await b.execs.exec_started("t", "s2", "b", 60) is None
+        assert "max_running_execs_per_tenant" in await b.execs.exec_started("t", "s2", "c", 60)
+        assert "max_running_execs_per_tenant" in await b.execs.stream_started("t", "s2", "x", "k")
+        assert await b.execs.exec_started("u", "theirs", "more", 60) is None  # the other's own
+        await b.execs.stream_ended("s1", "st")
+        assert await b.execs.exec_started("t", "s2", "c", 60) is None
         for ex in ("a", "b", "c"):  # 3 x 6 bytes over a share of 10: its own go
-            await b.exec_finished({"a": "s1"}.get(ex, "s2"), ex, done(ex, "x" * 6))
-        assert await b.exec_record("t", "s1", "a") is None
-        assert (await b.exec_record("t", "s2", "c"))["stdout"] == "xxxxxx"
-        assert (await b.exec_record("u", "theirs", "kept"))["stdout"] == "yes"
+            await b.execs.exec_finished({"a": "s1"}.get(ex, "s2"), ex, done(ex, "x" * 6))
+        assert await b.execs.exec_record("t", "s1", "a") is None
+        assert (await b.execs.exec_record("t", "s2", "c"))["stdout"] == "xxxxxx"
+        assert (await b.execs.exec_record("u", "theirs", "kept"))["stdout"] == "yes"
         await b.gone("t", "s2")
         for n in range(3):  # the deleted sandbox's execs count no more
-            assert await b.exec_started("t", f"s{3 + n}", "n", 60) is None
+            assert await b.execs.exec_started("t", f"s{3 + n}", "n", 60) is None
 
     run(main())
 
@@ -219,14 +220,14 @@ def test_books_reopened_on_their_database_know_everything_they_were_told(db):
         await b.created("made", None)
         assert await b.admit("t", QUOTA, ["failed"], 0.5, 1, {"image": "bad"}) is None
         await b.created("failed", "image_not_found: no such image")
-        assert await b.keep(SNAPSHOT, "t", "snap", {"snapshot": {"id": 1}}) is None
-        assert await b.keep(FS_IMAGE, "t", "img", {"ref": "oci:/x"}) is None
-        assert await b.exec_started("t", "made", "e", 60) is None
-        await b.exec_finished("made", "e", {"exec_id": "e", "status": "completed",
+        assert await b.kept.keep(SNAPSHOT, "t", "snap", {"snapshot": {"id": 1}}) is None
+        assert await b.kept.keep(FS_IMAGE, "t", "img", {"ref": "oci:/x"}) is None
+        assert await b.execs.exec_started("t", "made", "e", 60) is None
+        await b.execs.exec_finished("made", "e", {"exec_id": "e", "status": "completed",
                                             "stdout": "out"})
         await b.gone("t", "old")
         await b.volume_made("t", "ws", "node-1", 1 << 20)
-        await b.take_started("take-1", FS_IMAGE, "t", "runtime-id")
+        await b.kept.take_started("take-1", FS_IMAGE, "t", "runtime-id")
         b.close()
 
     async def recall() -> None:
@@ -237,12 +238,12 @@ def test_books_reopened_on_their_database_know_everything_they_were_told(db):
         assert await b.admit("t", QUOTA, ["z"], 0.25, 1, {}, ["tok", "d"]) == {"same": "made"}
         failed = await b.create_record("t", "failed")
         assert (failed["image"], failed["error"]) == ("bad", "image_not_found: no such image")
-        assert await b.kept(SNAPSHOT, "t", "snap") == {"snapshot": {"id": 1}}
-        assert await b.kept_keys(FS_IMAGE, "t") == ["img"]
-        assert (await b.exec_record("t", "made", "e"))["stdout"] == "out"
+        assert await b.kept.kept(SNAPSHOT, "t", "snap") == {"snapshot": {"id": 1}}
+        assert await b.kept.kept_keys(FS_IMAGE, "t") == ["img"]
+        assert (await b.execs.exec_record("t", "made", "e"))["stdout"] == "out"
         assert await b.was_deleted("old")
         assert await b.volumes_seen("t", {}) == ["ws"]  # the node lacks it: lost
-        assert [t[0] for t in await b.takes()] == ["take-1"]
+        assert [t[0] for t in await b.kept.takes()] == ["take-1"]
         stats = await b.stats()
         assert stats["rows"]["sandboxes"] >= 2 and stats["rows"]["kept"] == 2
         assert stats["seconds"]["admit"][0] >= 1
@@ -293,12 +294,12 @@ def test_old_exec_results_and_tokens_are_swept_by_age(db):
     async def main():
         b = books(db, max_exec_result_age=0.05, client_token_seconds=0.05)
         await seeded(b)
-        assert await b.exec_started("t", "s", "e", 60) is None
-        await b.exec_finished("s", "e", {"exec_id": "e", "status": "completed"})
+        assert await b.execs.exec_started("t", "s", "e", 60) is None
+        await b.execs.exec_finished("s", "e", {"exec_id": "e", "status": "completed"})
         assert await b.admit("t", QUOTA, ["a"], 0.25, 1, {}, ["tok", "d"]) is None
         time.sleep(0.1)
         stats = await b.stats()  # sweeps now
         assert stats["rows"]["execs"] == 0 and stats["rows"]["tokens"] == 0
-        assert await b.exec_record("t", "s", "e") is None
+        assert await b.execs.exec_record("t", "s", "e") is None
 
     run(main())

@@ -135,7 +135,7 @@ def test_what_no_node_holds_any_more_is_shown_lost_and_forgotten_by_delete(svc: 
 
     import ray_sandbox
     from ray_sandbox.runtime.snapshot import Snapshot
-    from ray_sandbox.service._state import FS_IMAGE, SNAPSHOT
+    from ray_sandbox.service._bounds import FS_IMAGE, SNAPSHOT
     from ray_sandbox.service._volumes import prefix
 
     with svc.client() as c:
@@ -146,8 +146,8 @@ def test_what_no_node_holds_any_more_is_shown_lost_and_forgotten_by_delete(svc: 
         assert c.post("/volumes", json={"name": "gone", "size": "16Mi"}).status_code == 201
     # behind the service's back, as a dead node would: the sandbox, its files, the volume
     books = svc.books()
-    kept_snap = asyncio.run(books.kept(SNAPSHOT, "alice", snap))
-    kept_image = asyncio.run(books.kept(FS_IMAGE, "alice", image.rpartition("/")[2]))
+    kept_snap = asyncio.run(books.kept.kept(SNAPSHOT, "alice", snap))
+    kept_image = asyncio.run(books.kept.kept(FS_IMAGE, "alice", image.rpartition("/")[2]))
     books.close()
     ray.get(ray_sandbox.get(sid).terminate.remote(), timeout=120)
     ray_sandbox.delete_snapshot(Snapshot.model_validate(kept_snap["snapshot"]))
@@ -192,9 +192,9 @@ def test_reconcile_reports_orphans_and_deletes_them_after_a_grace(svc: Deployed)
 
     import ray_sandbox
     from ray_sandbox.cli import app
+    from ray_sandbox.service._bounds import FS_IMAGE
+    from ray_sandbox.service._entry import TENANT_LABEL
     from ray_sandbox.service._inventory import collect
-    from ray_sandbox.service._sandboxes import TENANT_LABEL
-    from ray_sandbox.service._state import FS_IMAGE
     from ray_sandbox.service._volumes import prefix
 
     with svc.client() as c:
@@ -208,7 +208,7 @@ def test_reconcile_reports_orphans_and_deletes_them_after_a_grace(svc: Deployed)
     snap = ray.get(h.snapshot.remote(), timeout=120)
     # an image whose take began and was never kept: what a crash between the two leaves
     books = svc.books()
-    asyncio.run(books.take_started("take-1", FS_IMAGE, "alice", h.sandbox_id))
+    asyncio.run(books.kept.take_started("take-1", FS_IMAGE, "alice", h.sandbox_id))
     books.close()
     taken = ray.get(h.snapshot_filesystem.remote(), timeout=300)
     # a volume of no tenant, and an image made through the Ray layer (not the service's)

@@ -42,7 +42,7 @@ def test_serve_refuses_to_start_without_a_token(tmp_path):
 
 def test_serve_runs_the_api_until_interrupted(ray_cluster, tmp_path):
     import ray_sandbox
-    from ray_sandbox.service._sandboxes import TENANT_LABEL
+    from ray_sandbox.service._entry import TENANT_LABEL
 
     port = free_port()
     tokens = tmp_path / "tokens"

@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..runtime.volumes import VolumeInfo
 from . import _archives, _errors, _ports
+from ._bounds import FS_IMAGE, SNAPSHOT
 from ._config import ServiceConfig
 from ._kept import FS_IMAGE_SCHEME
 from ._models import (
@@ -40,7 +41,7 @@ from ._models import (
 )
 from ._sandboxes import Sandboxes
 from ._secrets import PutSecret, TenantSecrets
-from ._state import FS_IMAGE, SNAPSHOT, connect
+from ._state import connect
 
 PREFIX = "/api/v1"
 PUBLIC = frozenset({f"{PREFIX}/health", f"{PREFIX}/openapi.json"})
@@ -285,7 +286,7 @@ def build_app(config: ServiceConfig, sandboxes: Sandboxes | None = None) -> Any:
     for routes in (_sandbox_routes, _exec_routes, _file_routes, _port_routes, _link_routes,
                    _kept_routes, _volume_routes, _secret_routes, _terminal_routes):
         routes(app, sandboxes, config)
-    return Guard(app, config, sandboxes.replica, sandboxes.port_payer)
+    return Guard(app, config, sandboxes.replica, sandboxes.liveness.port_payer)
 
 
 def tenant(request: Request) -> str:
@@ -336,9 +337,9 @@ def _exec_routes(app: FastAPI, sandboxes: Sandboxes, config: ServiceConfig) -> N
         """202 with the exec's id; with ``wait_seconds``, a command that ends within that
         time answers 200 with its result at once (one request instead of two)."""
         entry = await sandboxes.running(tenant(request), sandbox_id)
-        ex = await sandboxes.start_exec(entry, body)
+        ex = await sandboxes.execs.start_exec(entry, body)
         if wait_seconds:
-            info = await sandboxes.exec_info(entry, ex.exec_id, wait_seconds)
+            info = await sandboxes.execs.exec_info(entry, ex.exec_id, wait_seconds)
             if info.status != "running":
                 return JSONResponse(info.model_dump(mode="json"), status_code=200)
         return ExecCreated(exec_id=ex.exec_id)
@@ -347,28 +348,28 @@ def _exec_routes(app: FastAPI, sandboxes: Sandboxes, config: ServiceConfig) -> N
     async def get_exec(request: Request, sandbox_id: str, exec_id: str,
                        wait_seconds: Wait = 0.0) -> ExecInfo:
         entry = await sandboxes.running(tenant(request), sandbox_id)
-        return await sandboxes.exec_info(entry, exec_id, wait_seconds)
+        return await sandboxes.execs.exec_info(entry, exec_id, wait_seconds)
 
     @app.post(f"{PREFIX}/sandboxes/{{sandbox_id}}/execs/stream",
               responses={200: {"content": {"application/x-ndjson": {}}}})
     async def stream_exec(request: Request, sandbox_id: str, body: CreateExec) -> Response:
         """Output as NDJSON lines while the command runs (ray_sandbox/service/_streams.py)."""
         entry = await sandboxes.running(tenant(request), sandbox_id)
-        lines = await sandboxes.stream_exec(entry, body)
+        lines = await sandboxes.execs.stream_exec(entry, body)
         return StreamingResponse(lines, media_type="application/x-ndjson")
 
     @app.delete(f"{PREFIX}/sandboxes/{{sandbox_id}}/execs/{{exec_id}}")
     async def cancel_exec(request: Request, sandbox_id: str, exec_id: str) -> dict[str, str]:
         """Cancel a streamed exec: SIGTERM, then SIGKILL after a grace period."""
         entry = await sandboxes.running(tenant(request), sandbox_id)
-        await sandboxes.signal_exec(entry, exec_id, None)
+        await sandboxes.execs.signal_exec(entry, exec_id, None)
         return {"exec_id": exec_id, "status": "cancelled"}
 
     @app.post(f"{PREFIX}/sandboxes/{{sandbox_id}}/execs/{{exec_id}}/signal")
     async def signal_exec(request: Request, sandbox_id: str, exec_id: str,
                           body: Signal) -> dict[str, str]:
         entry = await sandboxes.running(tenant(request), sandbox_id)
-        await sandboxes.signal_exec(entry, exec_id, body.signal)
+        await sandboxes.execs.signal_exec(entry, exec_id, body.signal)
         return {"exec_id": exec_id, "status": "signalled"}
 
 def _file_routes(app: FastAPI, sandboxes: Sandboxes, config: ServiceConfig) -> None:
@@ -431,7 +432,7 @@ def _port_routes(app: FastAPI, sandboxes: Sandboxes, config: ServiceConfig) -> N
         if "tenant" in claims:
             node = (await sandboxes.alive(claims["tenant"], sandbox_id)).handle.node_id
         else:  # signed for a Ray caller (_ports.ray_port_url)
-            node = await sandboxes.ray_alive(sandbox_id, claims["node"])
+            node = await sandboxes.liveness.ray_alive(sandbox_id, claims["node"])
         return await app.state.proxy.forward(request, node, port, path)
 
     @app.api_route(f"{PREFIX}/port-hosts/{{name}}",
@@ -442,11 +443,11 @@ def _port_routes(app: FastAPI, sandboxes: Sandboxes, config: ServiceConfig) -> N
         """A published port at its own origin, ``<label>.<port_host_suffix>``: the guard
         routes requests by their Host here; the label is the grant, as the path's token."""
         sandbox_id, port = _ports.label_for(config, name)
-        tenant, node = await sandboxes.port_owner(sandbox_id)
+        tenant, node = await sandboxes.liveness.port_owner(sandbox_id)
         if tenant is not None:
             node = (await sandboxes.alive(tenant, sandbox_id)).handle.node_id
         elif node is not None:
-            node = await sandboxes.ray_alive(sandbox_id, node)
+            node = await sandboxes.liveness.ray_alive(sandbox_id, node)
         return await app.state.proxy.forward(request, node, port, path)
 
 def _link_routes(app: FastAPI, sandboxes: Sandboxes, config: ServiceConfig) -> None:
@@ -573,7 +574,7 @@ def _terminal_routes(app: FastAPI, sandboxes: Sandboxes, config: ServiceConfig) 
             await ws.accept()
             await ws.close(code=4000 + exc.status_code, reason=str(exc.detail)[:120])
             return
-        await sandboxes.terminal(ws, entry, command, rows, cols)
+        await sandboxes.execs.terminal(ws, entry, command, rows, cols)
 
 
 

@@ -25,8 +25,9 @@ from ..runtime import fs_image
 from ..runtime.errors import ImageInUseError
 from ..runtime.snapshot import Snapshot
 from . import _errors, _inventory
+from ._bounds import FS_IMAGE, SNAPSHOT, Bounds
 from ._config import ServiceConfig
-from ._state import FS_IMAGE, LOST, SNAPSHOT, Bounds, Shared
+from ._state import LOST, Shared
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from fastapi.responses import StreamingResponse
 from ..runtime.errors import ConfigError
 from . import _errors, _signing
 from ._config import ServiceConfig
-from ._sandboxes import Entry
+from ._entry import Entry
 
 # Not forwarded either way: they describe one connection, not the request.
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",

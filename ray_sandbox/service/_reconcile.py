@@ -33,9 +33,10 @@ from ..runtime import fs_image
 from ..runtime.snapshot import Snapshot
 from ..runtime.volumes import VolumeInfo
 from . import _inventory
+from ._bounds import FS_IMAGE, SNAPSHOT, Bounds
 from ._config import ServiceConfig
-from ._sandboxes import CPU_LABEL, MEMORY_LABEL, TENANT_LABEL
-from ._state import FS_IMAGE, HEAD, LOST, SNAPSHOT, Books, Bounds, db_spec, on_head
+from ._entry import CPU_LABEL, MEMORY_LABEL, TENANT_LABEL
+from ._state import HEAD, LOST, Books, db_spec, on_head
 from ._volumes import prefix
 
 log = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ async def _pass(books: Books, config: ServiceConfig,
 
     # --- snapshots and filesystem images -----------------------------------------------------
     inv = await asyncio.to_thread(_inventory.collect, TENANT_LABEL, config.call_timeout)
-    kept = await books.kept_all()
+    kept = await books.kept.kept_all()
     named = {(kind, key) for kind, _, key, _, _ in kept}
     lost_kept: dict[str, list[dict[str, str]]] = {"snapshots": [], "filesystem_images": []}
     for kind, tenant, key, value, was_lost in kept:
@@ -118,17 +119,17 @@ async def _pass(books: Books, config: ServiceConfig,
             here = _inventory.presence(inv, "fs_images", key, parsed[0] if parsed else None)
         if here is False:
             if not was_lost:
-                await books.mark_lost(kind, tenant, key, LOST)
+                await books.kept.mark_lost(kind, tenant, key, LOST)
             lost_kept["snapshots" if kind == SNAPSHOT else "filesystem_images"].append(
                 {"id": key, "tenant": tenant})
         elif here is True and was_lost:
-            await books.mark_lost(kind, tenant, key, None)
+            await books.kept.mark_lost(kind, tenant, key, None)
     report["lost"].update(lost_kept)
 
     snap_orphans: dict[str, dict[str, Any]] = {}
     image_orphans: dict[str, dict[str, Any]] = {}
     foreign: dict[str, dict[str, Any]] = {}
-    takes = {t[3]: t for t in await books.takes()}  # source sandbox -> take
+    takes = {t[3]: t for t in await books.kept.takes()}  # source sandbox -> take
     for node, held in inv["nodes"].items():
         for snap in held["snapshots"]:
             if snap["tenant"] is None or (SNAPSHOT, snap["id"]) in named:
@@ -157,11 +158,11 @@ async def _pass(books: Books, config: ServiceConfig,
             item["action"] = await _delete(
                 lambda ref=item["ref"]: actor.delete_filesystem_image(ref))
             if item["action"] == "deleted":
-                await books.take_ended(item.pop("take"))
+                await books.kept.take_ended(item.pop("take"))
     for take_id, _, _, _, at in takes.values():  # a take that left nothing behind
         if _old(now - at, delete_after) and not any(
                 i.get("take") == take_id for i in image_orphans.values()):
-            await books.take_ended(take_id)
+            await books.kept.take_ended(take_id)
     report["orphans"]["snapshots"] = list(snap_orphans.values())
     report["orphans"]["filesystem_images"] = list(image_orphans.values())
     report["foreign"]["filesystem_images"] = [

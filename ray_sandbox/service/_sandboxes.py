@@ -1,5 +1,5 @@
 """The sandboxes of every tenant, as the service sees them: created through the Ray layer
-(``ray_sandbox.actor``), found again by their labels, and their execs' results.
+(``ray_sandbox.actor``), found again by their labels, copied, linked and deleted.
 
 A sandbox's API id is its Ray-layer name (``create(name=...)``), made before the create
 starts so ``POST`` can answer at once; its tenant and charge are labels on it, so a restarted
@@ -7,10 +7,11 @@ replica adopts what its predecessor made. What every replica must agree on lives
 shared books (``_state``). Used from the replica's event loop only; calls that block
 (create, listing) run in a bounded set of threads.
 
-(~700 lines: finding and adopting, create and delete under the quota, links, copies and
-execs all act on the same entries, handles and replica-local tasks, so they stay together;
-what stands apart is apart: the books (``_state``), volumes (``_volumes``), snapshots and
-filesystem images (``_kept``), streamed output (``_streams``) and the terminal (``_pty``).)
+(Finding and adopting, create and delete under the quota, links and copies all act on the
+same entries and their creates, so they stay together; what stands apart is apart: an entry
+and its labels (``_entry``), the execs, streams and terminals run in them (``_execs``),
+whether a port's sandbox runs now and whose it is (``_liveness``), the books (``_state``),
+volumes (``_volumes``), snapshots and filesystem images (``_kept``).)
 """
 
 from __future__ import annotations
@@ -22,28 +23,34 @@ import logging
 import re
 import secrets
 import time
-from collections import OrderedDict
-from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
 import anyio
 import anyio.to_thread
 from fastapi import HTTPException
-from ray.exceptions import RayActorError
 
 from .. import actor
 from ..actor.hosts import host_for_node
-from ..actor.placement import node_alive
 from ..runtime.config import EgressPolicy, PullNetwork, SandboxConfig
 from ..runtime.errors import CapacityError, SandboxError, SandboxNotFoundError
-from ..runtime.results import ExecResult, SandboxState
-from ..runtime.verbs import ExecRequest, NoRequest
-from . import _errors, _policy, _pty, _streams
+from ..runtime.results import SandboxState
+from . import _errors, _policy
 from ._config import ServiceConfig
+from ._entry import (
+    CPU_LABEL,
+    IMAGE_LABEL,
+    MEMORY_LABEL,
+    PORTS_LABEL,
+    TENANT_LABEL,
+    Entry,
+    user_labels,
+)
+from ._execs import SandboxExecs
 from ._kept import FS_IMAGE_PATH_RE, FS_IMAGE_SCHEME, TenantKept
-from ._models import REQUEST_FIELDS, CreateSandbox, ExecInfo, LinkInfo, SandboxInfo
+from ._liveness import Liveness
+from ._models import REQUEST_FIELDS, CreateSandbox, LinkInfo, SandboxInfo
 from ._policy import Nodes, ray_node_addresses
 from ._quota import Charge, charge
 from ._state import Shared
@@ -51,57 +58,7 @@ from ._volumes import TenantVolumes
 
 log = logging.getLogger(__name__)
 
-LABEL_PREFIX = "ray-sandbox/"  # the Ray layer's and this service's labels; callers' may not
-TENANT_LABEL = "ray-sandbox/service-tenant"
-CPU_LABEL = "ray-sandbox/service-cpu"
-MEMORY_LABEL = "ray-sandbox/service-memory"
-PORTS_LABEL = "ray-sandbox/service-ports"  # its published ports, for port URLs after adoption
-IMAGE_LABEL = "ray-sandbox/service-image"  # the image as the tenant named it (not a host path)
 ID_RE = re.compile(r"^[0-9a-f]{32}$")
-NODE_SEEN_S = 10.0  # how long a node seen alive is believed alive (port traffic)
-MAX_NODES_SEEN = 4096
-
-
-@dataclass(eq=False)
-class Exec:
-    exec_id: str
-    future: asyncio.Future[ExecResult]
-    reported: asyncio.Task[Any] | None = None  # its result on its way to the books
-
-
-@dataclass(eq=False)
-class Entry:
-    """One sandbox of one tenant: being created, running, or failed to create."""
-
-    api_id: str
-    tenant: str
-    charge: Charge
-    image: str
-    labels: dict[str, str]
-    created_at: float | None
-    ports: tuple[int, ...] = ()
-    handle: Any = None  # SandboxHandle once made
-    creating: asyncio.Task[None] | None = None  # this replica's create of it
-    error: str | None = None
-    deleted: bool = False
-    lost: bool = False  # the books made it, no node has it any more
-    token_answer: bool = False  # returned for a create's client token, not made by it
-    execs: OrderedDict[str, Exec] = field(default_factory=OrderedDict)  # run by this replica
-    streams: dict[str, _streams.Stream] = field(default_factory=dict)  # read by this replica
-
-    def source(self) -> dict[str, Any]:
-        """What copies of it get: its charge, image and labels (a snapshot keeps these)."""
-        return {"cpu": self.charge.cpu, "memory": self.charge.memory, "image": self.image,
-                "labels": self.labels}
-
-    def row(self) -> list[Any]:
-        """What the books' ``reconcile`` takes of a sandbox the hosts list."""
-        return [self.charge.cpu, self.charge.memory,
-                {**self.source(), "created_at": self.created_at}]
-
-
-def user_labels(labels: Mapping[str, str]) -> dict[str, str]:
-    return {k: v for k, v in labels.items() if not k.startswith(LABEL_PREFIX)}
 
 
 def _from_record(rec: dict[str, Any], tenant: str) -> Entry:
@@ -114,7 +71,8 @@ def _from_record(rec: dict[str, Any], tenant: str) -> Entry:
 class Sandboxes:
     """Every tenant's sandboxes as one replica sees them. What every replica must agree on
     (creates in flight, the quota, exec results, snapshots) is in the shared books
-    (``_state``); a replica keeps its own handles, the execs it runs and its streams."""
+    (``_state``); a replica keeps its own handles, the execs it runs and its streams
+    (``execs``), and what it learned of ports' sandboxes (``liveness``)."""
 
     def __init__(self, config: ServiceConfig, state: Shared) -> None:
         self._config = config
@@ -125,21 +83,17 @@ class Sandboxes:
         # room or an image: each has its own threads, so waiting creates never starve GETs.
         self._threads = anyio.CapacityLimiter(config.create_threads)
         self._create_threads = anyio.CapacityLimiter(config.create_threads)
-        self._direct = 0  # execs running in threads through handle.run
-        self._direct_threads = anyio.CapacityLimiter(max(1, config.direct_exec_threads))
         self._adopted = False
         self._adopting = asyncio.Lock()
-        self._streaming = 0
         # reports to the books nobody waits for (an exec's result, a stream's end): one per
         # exec or stream at most, so bounded by them
         self._reports: set[asyncio.Task[Any]] = set()
         self.volumes = TenantVolumes(config, self._blocking, state)
         self.kept = TenantKept(config, state, self._blocking, self._track)
-        self._nodes_seen: dict[str, float] = {}  # node id -> when last seen alive
         self._nodes = Nodes(ray_node_addresses)  # what tenants' sandboxes never reach
         self._pending: dict[str, int] = {}  # tenant -> creates and copies being made here
-        # sandbox id -> (tenant, node, when seen): whose a port's host form is
-        self._owners: dict[str, tuple[str | None, str | None, float]] = {}
+        self.execs = SandboxExecs(config, state, self._report, self.call)
+        self.liveness = Liveness(self._entries, self._blocking, self.call)
 
     async def _blocking(self, fn: Any, *args: Any) -> Any:
         return await anyio.to_thread.run_sync(fn, *args, limiter=self._threads)
@@ -282,7 +236,7 @@ class Sandboxes:
         entry = await self.running(tenant, api_id)
         h = entry.handle
         if h.node_id is not None:
-            state = await self._state_on(h.node_id, h.sandbox_id)
+            state = await self.liveness.state_on(h.node_id, h.sandbox_id)
         else:
             try:
                 state = (await self.call(h.status.remote())).state
@@ -293,85 +247,12 @@ class Sandboxes:
             raise _errors.refusal(404, f"no sandbox {api_id!r}")
         if state == SandboxState.SUSPENDED and h.node_id is not None:
             # a request to one of its ports wakes it, and is forwarded once it is back
-            node = await self._wake_on(h.node_id, h.sandbox_id)
+            node = await self.liveness.wake_on(h.node_id, h.sandbox_id)
             if node != h.node_id:  # resumed on another node: its port is there now
                 host = await self._blocking(partial(host_for_node, node))
                 entry.handle = actor.SandboxHandle(h.sandbox_id, host, name=h.name,
                                                    node_id=node)
         return entry
-
-    async def _wake_on(self, node_id: str, sandbox_id: str) -> str:
-        """Resume a suspended sandbox through its node's host; the node it runs on now."""
-        host = await self._blocking(partial(host_for_node, node_id))
-        node, _ = await self.call(host.wake.options(concurrency_group="create").remote(
-            sandbox_id))
-        return str(node)
-
-    async def _state_on(self, node_id: str, sandbox_id: str) -> SandboxState:
-        """The sandbox's state, asked of its node's host now. A host this replica holds a
-        handle of may have retired (idle) and been replaced: the handle is looked up again
-        once, so a port URL keeps working across host retirement (it answered 503)."""
-        for fresh in (False, True):
-            host = await self._blocking(partial(host_for_node, node_id, fresh=fresh))
-            try:
-                return (await self.call(host.call.options(concurrency_group="control").remote(
-                    "status", sandbox_id, NoRequest()))).state
-            except SandboxNotFoundError:
-                return SandboxState.TERMINATED
-            except RayActorError:
-                if fresh:
-                    raise
-        raise AssertionError("unreachable")
-
-    async def ray_alive(self, sandbox_id: str, node_id: str) -> str:
-        """``node_id`` if the sandbox made through Ray (no tenant's) still runs there, asked
-        of its host now for the reason ``alive`` gives; else 404."""
-        gone = _errors.refusal(404, f"no sandbox {sandbox_id!r}")
-        # a port's traffic asks often: a node seen alive lately is not asked Ray's GCS again
-        # (a node that died since fails the host call below: 503)
-        if self._nodes_seen.get(node_id, 0.0) < time.monotonic() - NODE_SEEN_S:
-            if not await self._blocking(node_alive, node_id):
-                raise gone
-            if len(self._nodes_seen) >= MAX_NODES_SEEN:
-                self._nodes_seen.clear()
-            self._nodes_seen[node_id] = time.monotonic()
-        state = await self._state_on(node_id, sandbox_id)
-        if state == SandboxState.TERMINATED:
-            raise gone
-        if state == SandboxState.SUSPENDED:  # its port's request wakes it
-            return await self._wake_on(node_id, sandbox_id)
-        return node_id
-
-    async def port_owner(self, sandbox_id: str) -> tuple[str | None, str | None]:
-        """Whose sandbox this is, for a port's host form (its label names no tenant):
-        ``(tenant, None)`` for a tenant's, ``(None, node)`` for one made through Ray; looked
-        up on the hosts once and kept for ``NODE_SEEN_S``; unknown: 404."""
-        known = self._owners.get(sandbox_id)
-        if known is not None and known[2] > time.monotonic() - NODE_SEEN_S:
-            return known[0], known[1]
-        entry = self._entries.get(sandbox_id)
-        found: tuple[str | None, str | None] | None = (entry.tenant, None) if entry else None
-        if found is None:
-            for h in await self._blocking(actor.list, None):
-                if sandbox_id == h.name:  # a tenant's: its API id is its name
-                    status = await self.call(h.status.remote())
-                    found = (status.labels.get(TENANT_LABEL), None)
-                elif sandbox_id == h.sandbox_id:
-                    found = (None, h.node_id)
-                if found is not None:
-                    break
-        if found is None or found == (None, None):
-            raise _errors.refusal(404, f"no sandbox {sandbox_id!r}")
-        if len(self._owners) >= MAX_NODES_SEEN:
-            self._owners.clear()
-        self._owners[sandbox_id] = (*found, time.monotonic())
-        return found
-
-    def port_payer(self, sandbox_id: str) -> str | None:
-        """The tenant whose share a request to this sandbox's port counts against, if
-        this replica knows it already (the guard cannot wait for a lookup)."""
-        known = self._owners.get(sandbox_id)
-        return known[0] if known is not None else None
 
     # --- create, status, list, delete ------------------------------------------------------
 
@@ -725,163 +606,6 @@ class Sandboxes:
                            "memory": cost.memory})
         return ids
 
-    # --- execs -----------------------------------------------------------------------------
-
-    async def start_exec(self, entry: Entry, request: ExecRequest) -> Exec:
-        """Start a command; its result is kept among the sandbox's last
-        ``max_execs_per_sandbox`` in the books (the oldest finished one is evicted, never a
-        running one), where every replica finds it; this replica keeps it until then."""
-        if len(entry.execs) >= self._config.max_execs_per_sandbox:
-            done = next((k for k, x in entry.execs.items() if x.future.done()), None)
-            if done is None:
-                raise _errors.refusal(429, f"{len(entry.execs)} execs are running in this "
-                                           "sandbox, its limit; wait for one to finish")
-            del entry.execs[done]
-        request = capped(request, self._config)
-        exec_id = secrets.token_hex(8)
-        reason = await self._state("exec_started", entry.tenant, entry.api_id, exec_id,
-                                   request.timeout)
-        if reason is not None:
-            raise _errors.refusal(429, reason)
-        if self._direct < self._config.direct_exec_threads:
-            self._direct += 1  # here, not in the task: a task cancelled unstarted never runs
-            future: asyncio.Future[ExecResult] = asyncio.ensure_future(
-                self._run_direct(entry.handle, request))
-            future.add_done_callback(self._direct_done)
-        else:  # every thread busy: no waiting for one, the actor call costs ~2 ms more
-            future = asyncio.wrap_future(entry.handle.exec.remote(request).future())
-        ex = Exec(exec_id, future)
-        ex.future.add_done_callback(_consume)
-        ex.future.add_done_callback(partial(self._finished, entry, ex))
-        entry.execs[ex.exec_id] = ex
-        return ex
-
-    def _finished(self, entry: Entry, ex: Exec, _: asyncio.Future[ExecResult]) -> None:
-        """Its result goes to the books; once there, they answer for it (this replica
-        forgets it), so an eviction there holds for every replica."""
-        ex.reported = self._report("exec_finished", entry.api_id, ex.exec_id,
-                                   exec_info(ex).model_dump(mode="json"))
-
-        def forget(task: asyncio.Task[Any]) -> None:
-            if not task.cancelled() and task.exception() is None:
-                entry.execs.pop(ex.exec_id, None)
-
-        ex.reported.add_done_callback(forget)
-
-    async def _run_direct(self, handle: Any, request: ExecRequest) -> ExecResult:
-        """``handle.run`` in a thread: the node-local channel when the sandbox is on this
-        replica's node (``actor/channel.py``), else the actor call, blocking. Not abandoned
-        when cancelled (a DELETE cancels and does not wait): the thread and its count are
-        given back only when the command ends (its timeout, or the sandbox's deletion), so
-        their number stays bounded."""
-        return await anyio.to_thread.run_sync(partial(handle.run, request),
-                                              limiter=self._direct_threads)
-
-    def _direct_done(self, _: asyncio.Future[ExecResult]) -> None:
-        self._direct -= 1
-
-    async def exec_info(self, entry: Entry, exec_id: str, wait: float = 0.0) -> ExecInfo:
-        """From this replica's own future while it runs the exec (and until the books have
-        its result), else from the books."""
-        wait = min(wait, self._config.max_wait_seconds)
-        ex = entry.execs.get(exec_id)
-        if ex is not None:
-            if not ex.future.done() and wait > 0:
-                await asyncio.wait([ex.future], timeout=wait)
-            if ex.reported is not None and not ex.reported.done():
-                # finished here only once the books say so too, as with a create
-                await asyncio.wait([ex.reported], timeout=self._config.state_timeout)
-            return exec_info(ex)
-        found = await self._state("exec_record", entry.tenant, entry.api_id, exec_id, wait,
-                                  wait=wait)
-        if found is None:
-            raise _errors.refusal(404, f"no exec {exec_id!r} in this sandbox (results are "
-                                       f"kept for its last {self._config.max_execs_per_sandbox})")
-        return ExecInfo.model_validate(found)
-
-    def _take_stream(self) -> None:
-        """One of the ``max_streams`` streamed execs and terminals; 429 when none is left."""
-        if self._streaming >= self._config.max_streams:
-            raise _errors.refusal(429, f"{self._streaming} streamed execs and terminals are "
-                                       "running, the service's limit; try again later")
-        self._streaming += 1
-
-    async def terminal(self, ws: Any, entry: Entry, command: str, rows: int,
-                       cols: int) -> None:
-        """An interactive terminal on the WebSocket ``ws`` (``_pty``), counted as a stream
-        here and, in the books, as one of its tenant's running execs."""
-        key = f"pty-{secrets.token_hex(8)}"
-        reason = await self._state("stream_started", entry.tenant, entry.api_id, key, key)
-        if reason is not None:
-            await ws.accept()
-            await ws.close(code=4429, reason=reason[:120])
-            return
-        try:
-            self._take_stream()
-        except BaseException:
-            self._report("stream_ended", entry.api_id, key)
-            raise
-        try:
-            await _pty.session(ws, entry.handle, self.call, command, rows, cols,
-                               self._config.max_exec_timeout)
-        finally:
-            self._streaming -= 1
-            self._report("stream_ended", entry.api_id, key)
-
-    async def stream_exec(self, entry: Entry,
-                          request: ExecRequest) -> AsyncIterator[bytes]:
-        """Start a streamed exec; returns its NDJSON lines (``_streams``). Its process key
-        goes to the books, so a signal or cancel landing on another replica reaches it."""
-        self._take_stream()
-        request = capped(request, self._config)
-        try:
-            stream = await _streams.start(entry.handle, self.call, request)
-        except BaseException:
-            self._streaming -= 1
-            raise
-        try:
-            reason = await self._state("stream_started", entry.tenant, entry.api_id,
-                                       stream.exec_id, stream.key)
-            if reason is not None:
-                raise _errors.refusal(429, reason)
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await _streams.close(stream, self.call)
-            self._streaming -= 1
-            raise
-        entry.streams[stream.exec_id] = stream
-        return self._stream_lines(entry, stream, request.timeout)
-
-    async def _stream_lines(self, entry: Entry, stream: _streams.Stream,
-                            limit: float) -> AsyncIterator[bytes]:
-        try:
-            async for line in _streams.lines(stream, self.call, limit,
-                                             self._config.stream_keepalive_seconds):
-                yield line
-        finally:
-            entry.streams.pop(stream.exec_id, None)
-            self._streaming -= 1
-            self._report("stream_ended", entry.api_id, stream.exec_id)
-
-    async def signal_exec(self, entry: Entry, exec_id: str, signal: int | None) -> None:
-        """Send ``signal`` to a streamed exec, or cancel it (None: SIGTERM, then SIGKILL);
-        one another replica reads is reached through the sandbox's handle by its key."""
-        stream = entry.streams.get(exec_id)
-        if stream is None:
-            key = None if exec_id in entry.execs else await self._state(
-                "stream_key", entry.tenant, entry.api_id, exec_id)
-            if key is None:
-                if exec_id in entry.execs or await self._state(
-                        "exec_record", entry.tenant, entry.api_id, exec_id) is not None:
-                    raise _errors.refusal(409, "only a streamed exec (POST .../execs/stream) "
-                                               "can be signalled or cancelled")
-                raise _errors.refusal(404, f"no running streamed exec {exec_id!r}")
-            stream = _streams.Stream(exec_id, key, entry.handle)
-        if signal is None:
-            await _streams.cancel(stream, self.call)
-        else:
-            await self.call(entry.handle.process.remote(stream.key, "kill", signal))
-
     async def call(self, ref: Any) -> Any:
         """A host call's result, bounded: no request waits forever on a stuck host."""
         return await asyncio.wait_for(asyncio.wrap_future(ref.future()),
@@ -891,38 +615,3 @@ class Sandboxes:
 _STATES = {SandboxState.PENDING: "pending", SandboxState.RUNNING: "running",
            SandboxState.PAUSED: "paused", SandboxState.SUSPENDED: "suspended",
            SandboxState.TERMINATED: "terminated", SandboxState.ERROR: "error"}
-
-
-def _consume(fut: asyncio.Future[Any]) -> None:
-    # a result nobody polled must not log "exception was never retrieved"
-    if not fut.cancelled():
-        fut.exception()
-
-
-def capped(request: ExecRequest, config: ServiceConfig) -> ExecRequest:
-    """The request within the service's bounds (its exec timeout, its output kept)."""
-    cap = config.max_exec_timeout
-    return request.model_copy(update={
-        "timeout": min(request.timeout or cap, cap),
-        "max_output_bytes": min(request.max_output_bytes or config.max_output_bytes,
-                                config.max_output_bytes)})
-
-
-def exec_info(ex: Exec) -> ExecInfo:
-    """An exec's state as the API shows it."""
-    fut = ex.future
-    if not fut.done():
-        return ExecInfo(exec_id=ex.exec_id, status="running")
-    if fut.cancelled():
-        return ExecInfo(exec_id=ex.exec_id, status="failed",
-                        error={"code": "cancelled", "message": "the sandbox was deleted"})
-    exc = fut.exception()
-    if exc is not None:
-        code = _errors.code_of(exc) if isinstance(exc, SandboxError) else "unavailable"
-        message = exc.message if isinstance(exc, SandboxError) else str(exc)
-        return ExecInfo(exec_id=ex.exec_id, status="failed",
-                        error={"code": code, "message": message[:2000]})
-    res: ExecResult = fut.result()
-    return ExecInfo(exec_id=ex.exec_id, status="timed_out" if res.timed_out else "completed",
-                    exit_code=res.exit_code, stdout=res.stdout, stderr=res.stderr,
-                    truncated=res.truncated, duration_seconds=res.duration_seconds)

@@ -9,10 +9,14 @@ service app (``ray_sandbox_service_state:<app>:v<version>``, zero CPUs, restarte
 on the head node with SQLite, whose file is there). Every replica calls it with a bound
 (``state_timeout``): books that do not answer are a 503, never a hang.
 
-Each method of :class:`Books` is one atomic step: its reads and writes are one database
+Each step of :class:`Books` is one atomic method: its reads and writes are one database
 transaction under the writers' lock, and no ``await`` comes between a check and its change.
-The database is the durable record; memory holds only the wake-ups of long polls (events set
-when a create or exec ends). Every table is bounded per tenant or by age.
+:class:`Books` holds the sandboxes' records (creates, the quota, client tokens, deletes),
+leases and volumes; its parts hold the exec results and streams (``_books_execs``) and what
+tenants keep (``_books_kept``), over the same database. A replica names a step
+(``Shared("keep", ...)``) and :meth:`Books.step` runs it, whichever part has it. The
+database is the durable record; memory holds only the wake-ups of long polls (``_wakeups``:
+events set when a create or exec ends). Every table is bounded per tenant or by age.
 """
 
 from __future__ import annotations
@@ -20,78 +24,44 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import inspect
 import json
 import logging
 import time
 from typing import Any
 
 import ray
-from pydantic import BaseModel, ConfigDict
 from ray.exceptions import RayError
 
 from . import _errors
+from ._books_execs import ExecBooks
+from ._books_kept import KeptBooks
+from ._bounds import GRACE, Bounds
 from ._config import Quota, ServiceConfig
 from ._quota import Charge, over_quota
-from ._store import Store, Timings, is_postgres, open_store, row_counts
+from ._store import Store, Timings, count, is_postgres, js, open_store, row_counts
+from ._wakeups import Wakeups
 
 log = logging.getLogger(__name__)
 
 NAMESPACE = "ray_sandbox_service"
 UNSEEDED = "unseeded"  # admit's answer when the books do not know the tenant's sandboxes yet
 STATE_CONCURRENCY = 4096  # long polls wait inside the actor, one slot each
-MAX_SANDBOXES = 1024  # a tenant's sandboxes whose exec results are kept (least recent evicted)
 MAX_TOMBSTONES = 4096  # recent deletes, so every replica answers 404 for them
 TOMBSTONE_SECONDS = 86400.0  # and for at most this long
-MAX_STREAMS = 4096  # streamed execs findable by another replica (a replica caps its own)
-MAX_TAKES = 4096  # snapshots and images being taken (what a crash mid-take leaves, for reconcile)
-GRACE = 60.0  # a create or exec past its own bound by this much lost its replica
 SWEEP_SECONDS = 60.0  # age-based cleanup and row counts, at most this often
-BOOKS_VERSION = 4  # raise it with every change to Books' methods or their meaning
-SNAPSHOT, FS_IMAGE = "snapshot", "filesystem image"  # the kinds of things a tenant keeps
+BOOKS_VERSION = 5  # raise it with every change to the books' steps or their meaning
 CHARGED = ("pending", "made", "copy")  # sandbox rows that count against the quota
 HEAD = {"node:__internal_head__": 0.001}  # Ray's resource of the head node
 LOST = ("lost: no node has it any more (its node died, or it was deleted outside the "
         "service); DELETE forgets it")
 
 
-class Bounds(BaseModel):
-    """What the books are held to (from ServiceConfig; no tokens cross to the actor)."""
-
-    model_config = ConfigDict(frozen=True)
-
-    max_execs_per_sandbox: int
-    max_errored: int
-    max_snapshots: int
-    max_fs_images: int
-    create_timeout: float
-    max_running_execs_per_tenant: int
-    max_result_bytes_per_tenant: int
-    max_exec_timeout: float = 3600.0
-    max_exec_result_age: float = 86400.0
-    max_client_tokens: int = 4096
-    client_token_seconds: float = 86400.0
-
-    @classmethod
-    def of(cls, config: ServiceConfig) -> Bounds:
-        return cls(**{k: getattr(config, k) for k in cls.model_fields})
-
-    def limit(self, kind: str) -> int:
-        """How many of ``kind`` (SNAPSHOT, FS_IMAGE) one tenant keeps."""
-        return self.max_snapshots if kind == SNAPSHOT else self.max_fs_images
-
-
-def _count(tx: Any, where: str, *args: Any) -> int:
-    return int(tx.one(f"SELECT COUNT(*) FROM {where}", *args)[0])
-
-
-def _js(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"), sort_keys=True)
-
-
 class Books:
-    """The shared state over its database; every method is one atomic step (no await
+    """The shared state over its database; every step is one atomic method (no await
     between a check and its change, one transaction under the writers' lock), so two
-    replicas cannot both pass a check that only one may."""
+    replicas cannot both pass a check that only one may. ``execs`` and ``kept`` are its
+    parts over the same database; :meth:`step` runs any part's step by its name."""
 
     def __init__(self, bounds: Bounds, db: str | None = None, app: str = "ray-sandbox",
                  store: Store | None = None) -> None:
@@ -99,38 +69,27 @@ class Books:
         self.timings = Timings()
         self.timings.observer = _observe_step
         self._db = store if store is not None else open_store(db, app, self.timings)
-        # wake-ups of long polls: key -> (event, waiters); set and dropped when it ends
-        self._events: dict[tuple[str, ...], tuple[asyncio.Event, list[int]]] = {}
+        self._wakeups = Wakeups()
         self._swept = 0.0
         self.counts: dict[str, int] = {}
         self._sweep()  # what a restart finds: old rows go, the row counts are exported
+        self.execs = ExecBooks(self._db, bounds, self._wakeups, self._sweep)
+        self.kept = KeptBooks(self._db, bounds)
+        # every step by its name (the public coroutine methods of the books and their parts)
+        self._steps: dict[str, Any] = {}
+        for part in (self, self.execs, self.kept):
+            for name, _ in inspect.getmembers(type(part), inspect.iscoroutinefunction):
+                if not name.startswith("_") and name != "step":
+                    assert name not in self._steps, f"two steps of the books named {name}"
+                    self._steps[name] = getattr(part, name)
 
     def close(self) -> None:
         self._db.close()
 
-    # --- wake-ups (memory only) ------------------------------------------------------------
-
-    async def _wait(self, key: tuple[str, ...], timeout: float) -> None:
-        if timeout <= 0:
-            return
-        got = self._events.get(key)
-        if got is None:
-            got = self._events[key] = (asyncio.Event(), [0])
-        event, waiters = got
-        waiters[0] += 1
-        try:
-            await asyncio.wait_for(event.wait(), timeout)
-        except TimeoutError:
-            pass
-        finally:
-            waiters[0] -= 1
-            if not waiters[0] and self._events.get(key) is got:
-                del self._events[key]
-
-    def _wake(self, key: tuple[str, ...]) -> None:
-        got = self._events.pop(key, None)
-        if got is not None:
-            got[0].set()
+    async def step(self, name: str, *args: Any) -> Any:
+        """Run the step ``name`` (a method of the books or one of their parts) with ``args``:
+        the one call the replicas make of the state actor."""
+        return await self._steps[name](*args)
 
     # --- creates and the quota ---------------------------------------------------------------
 
@@ -169,13 +128,13 @@ class Books:
             for key in keys:
                 tx.run("INSERT INTO sandboxes (key, tenant, state, cpu, memory, info, deadline,"
                        " expires, changed) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", key, tenant,
-                       "copy" if pending is None else "pending", cpu, memory, _js(info),
+                       "copy" if pending is None else "pending", cpu, memory, js(info),
                        deadline, expires, now)
             if token is not None:
                 tx.run("DELETE FROM tokens WHERE tenant = ? AND token = ?", tenant, token[0])
                 tx.run("INSERT INTO tokens (tenant, token, digest, sandbox, at) VALUES "
                        "(?, ?, ?, ?, ?)", tenant, token[0], token[1], keys[0], now)
-                if _count(tx, "tokens WHERE tenant = ?", tenant) > self._b.max_client_tokens:
+                if count(tx, "tokens WHERE tenant = ?", tenant) > self._b.max_client_tokens:
                     old = tx.all("SELECT token FROM tokens WHERE tenant = ? ORDER BY at DESC",
                                  tenant)[self._b.max_client_tokens:]
                     for (tok,) in old:
@@ -240,11 +199,11 @@ class Books:
                 if row is None:
                     tx.run("INSERT INTO sandboxes (key, tenant, state, cpu, memory, info, "
                            "settled, changed) VALUES (?, ?, 'made', ?, ?, ?, ?, ?)", key,
-                           tenant, cpu, memory, _js(info), current, now)
+                           tenant, cpu, memory, js(info), current, now)
                 elif row[1] == tenant and row[0] in ("lost", "error", "pending"):
                     tx.run("UPDATE sandboxes SET state = 'made', error = NULL, settled = ?, "
                            "changed = ? WHERE key = ?", current, now, key)
-                    self._wake(("create", key))
+                    self._wakeups.wake(("create", key))
             self._trim(tx, tenant, "lost")
             tx.run("DELETE FROM counters WHERE name = ?", f"seeded:{tenant}")
             tx.run("INSERT INTO counters (name, value) VALUES (?, ?)", f"seeded:{tenant}", 1)
@@ -285,7 +244,7 @@ class Books:
                 tx.run("DELETE FROM sandboxes WHERE key = ? AND tenant = ?", sid, tenant)
                 tx.run("UPDATE sandboxes SET key = ?, state = 'made', settled = ?, info = ?, "
                        "deadline = NULL, changed = ? WHERE key = ? AND tenant = ?", sid, epoch,
-                       _js({**(info or {}), "created_at": now}), now, key, tenant)
+                       js({**(info or {}), "created_at": now}), now, key, tenant)
 
     async def release(self, tenant: str, keys: list[str]) -> None:
         with self._db.write("release") as tx:
@@ -313,7 +272,7 @@ class Books:
             else:
                 tx.run("UPDATE sandboxes SET state = 'made', error = NULL, settled = ?, "
                        "deadline = NULL, changed = ? WHERE key = ?", epoch, now, api_id)
-        self._wake(("create", api_id))
+        self._wakeups.wake(("create", api_id))
         return deleted
 
     def _trim(self, tx: Any, tenant: str, state: str) -> None:
@@ -335,7 +294,7 @@ class Books:
             tx.run("UPDATE sandboxes SET state = 'error', error = ?, deadline = NULL, "
                    "changed = ? WHERE key = ?",
                    "unavailable: the replica making it went away", now, k)
-            self._wake(("create", k))
+            self._wakeups.wake(("create", k))
         self._trim(tx, tenant, "error")
 
     async def create_record(self, tenant: str, api_id: str,
@@ -347,7 +306,7 @@ class Books:
         if row is None or row[0] != tenant or row[3]:
             return None
         if row[1] == "pending" and wait > 0:
-            await self._wait(("create", api_id), min(wait, (row[5] or 0) - time.time()))
+            await self._wakeups.wait(("create", api_id), min(wait, (row[5] or 0) - time.time()))
             row = self._create_row(api_id)
         now = time.time()
         if row is not None and row[1] == "pending" and (row[5] or 0) < now:
@@ -398,7 +357,7 @@ class Books:
                 return "error"
             tx.run("UPDATE sandboxes SET deleted = 1 WHERE key = ?", api_id)
         if row[1] == "pending":
-            await self._wait(("create", api_id), wait)
+            await self._wakeups.wait(("create", api_id), wait)
         return "pending"
 
     async def gone(self, tenant: str, api_id: str) -> None:
@@ -417,133 +376,6 @@ class Books:
     def _tomb(self, tx: Any, api_id: str) -> None:
         tx.run("DELETE FROM tombstones WHERE sandbox = ?", api_id)
         tx.run("INSERT INTO tombstones (sandbox, at) VALUES (?, ?)", api_id, time.time())
-
-    # --- execs -----------------------------------------------------------------------------
-
-    async def exec_started(self, tenant: str, api_id: str, exec_id: str,
-                           timeout: float) -> str | None:
-        """Record a running exec (None), or why there is no room: the tenant runs
-        ``max_running_execs_per_tenant`` already, or the sandbox's last
-        ``max_execs_per_sandbox`` are all running (else the oldest finished one is
-        evicted)."""
-        self._sweep()
-        now = time.time()
-        with self._db.write("exec_started", durable=False) as tx:
-            reason = self._over_running(tx, tenant, now)
-            if reason is not None:
-                return reason
-            mine = tx.all("SELECT exec, finished FROM execs WHERE sandbox = ? ORDER BY started",
-                          api_id)
-            if len(mine) >= self._b.max_execs_per_sandbox:
-                done = next((x for x, finished in mine if finished is not None), None)
-                if done is None:
-                    return (f"{len(mine)} execs are running in this sandbox, its limit; wait "
-                            "for one to finish")
-                tx.run("DELETE FROM execs WHERE sandbox = ? AND exec = ?", api_id, done)
-            tx.run("INSERT INTO execs (sandbox, exec, tenant, deadline, started) VALUES "
-                   "(?, ?, ?, ?, ?)", api_id, exec_id, tenant, now + timeout + GRACE, now)
-            if not mine and _count(tx, "(SELECT DISTINCT sandbox FROM execs WHERE tenant = ?)"
-                                   " AS s", tenant) > MAX_SANDBOXES:
-                # a sandbox new among the tenant's: the least recently used go past the cap
-                held = tx.all("SELECT sandbox, MAX(started) FROM execs WHERE tenant = ? GROUP "
-                              "BY sandbox ORDER BY MAX(started)", tenant)
-                for sid, _ in held[:max(0, len(held) - MAX_SANDBOXES)]:
-                    tx.run("DELETE FROM execs WHERE sandbox = ?", sid)
-        return None
-
-    def _over_running(self, tx: Any, tenant: str, now: float) -> str | None:
-        limit = self._b.max_running_execs_per_tenant
-        running = self._running(tx, tenant)
-        if running >= limit:  # those whose replica went away count no more
-            tx.run("DELETE FROM execs WHERE tenant = ? AND finished IS NULL AND deadline < ?",
-                   tenant, now)
-            tx.run("DELETE FROM streams WHERE tenant = ? AND deadline < ?", tenant, now)
-            running = self._running(tx, tenant)
-        if running >= limit:
-            return (f"{running} execs of this tenant are running, its limit "
-                    "(max_running_execs_per_tenant); wait for one to finish")
-        return None
-
-    def _running(self, tx: Any, tenant: str) -> int:
-        return int(tx.one("SELECT (SELECT COUNT(*) FROM execs WHERE tenant = ? AND finished IS "
-                          "NULL) + (SELECT COUNT(*) FROM streams WHERE tenant = ?)", tenant,
-                          tenant)[0])
-
-    async def exec_finished(self, api_id: str, exec_id: str, info: dict[str, Any]) -> None:
-        size = sum(len(info.get(k) or "") for k in ("stdout", "stderr"))
-        with self._db.write("exec_finished", durable=False) as tx:
-            row = tx.one("SELECT tenant FROM execs WHERE sandbox = ? AND exec = ? AND "
-                         "finished IS NULL", api_id, exec_id)
-            if row is None:  # evicted or deleted meanwhile
-                return
-            tenant = row[0]
-            tx.run("UPDATE execs SET info = ?, size = ?, finished = ? WHERE sandbox = ? AND "
-                   "exec = ?", _js(info), size, time.time(), api_id, exec_id)
-            total = int(tx.one("SELECT COALESCE(SUM(size), 0) FROM execs WHERE tenant = ? AND "
-                               "finished IS NOT NULL", tenant)[0])
-            if total > self._b.max_result_bytes_per_tenant:
-                for sid, ex, n in tx.all("SELECT sandbox, exec, size FROM execs WHERE tenant = ?"
-                                         " AND finished IS NOT NULL ORDER BY finished", tenant):
-                    if total <= self._b.max_result_bytes_per_tenant:
-                        break
-                    tx.run("DELETE FROM execs WHERE sandbox = ? AND exec = ?", sid, ex)
-                    total -= n
-        self._wake(("exec", api_id, exec_id))
-
-    async def exec_record(self, tenant: str, api_id: str, exec_id: str,
-                          wait: float = 0.0) -> dict[str, Any] | None:
-        """The tenant's exec as ExecInfo's fields (None: unknown, evicted or another
-        tenant's), waiting up to ``wait`` s while it runs."""
-        row = self._exec_row(api_id, exec_id)
-        if row is None or row[0] != tenant:
-            return None
-        if row[1] is None and wait > 0:
-            await self._wait(("exec", api_id, exec_id), wait)
-            row = self._exec_row(api_id, exec_id)
-            if row is None:
-                return None
-        if row[1] is not None:
-            found: dict[str, Any] = json.loads(row[1])
-            return found
-        if time.time() > row[2]:  # its replica went away before it could report
-            return {"exec_id": exec_id, "status": "failed", "error": {
-                "code": "unavailable", "message": "the replica running it went away"}}
-        return {"exec_id": exec_id, "status": "running"}
-
-    def _exec_row(self, api_id: str, exec_id: str) -> tuple[Any, ...] | None:
-        with self._db.read("exec_record") as tx:
-            return tx.one("SELECT tenant, info, deadline FROM execs WHERE sandbox = ? AND "
-                          "exec = ?", api_id, exec_id)
-
-    async def stream_started(self, tenant: str, api_id: str, exec_id: str,
-                             key: str) -> str | None:
-        """Record a running streamed exec (None), or why not (the tenant's running execs)."""
-        now = time.time()
-        with self._db.write("stream_started", durable=False) as tx:
-            reason = self._over_running(tx, tenant, now)
-            if reason is not None:
-                return reason
-            tx.run("DELETE FROM streams WHERE sandbox = ? AND exec = ?", api_id, exec_id)
-            tx.run("INSERT INTO streams (sandbox, exec, tenant, key, deadline) VALUES "
-                   "(?, ?, ?, ?, ?)", api_id, exec_id, tenant, key,
-                   now + self._b.max_exec_timeout + GRACE)
-            if _count(tx, "streams") > MAX_STREAMS:
-                old = tx.all("SELECT sandbox, exec FROM streams ORDER BY deadline DESC")
-                for sid, ex in old[MAX_STREAMS:]:
-                    tx.run("DELETE FROM streams WHERE sandbox = ? AND exec = ?", sid, ex)
-        return None
-
-    async def stream_ended(self, api_id: str, exec_id: str) -> None:
-        with self._db.write("stream_ended", durable=False) as tx:
-            tx.run("DELETE FROM streams WHERE sandbox = ? AND exec = ?", api_id, exec_id)
-
-    async def stream_key(self, tenant: str, api_id: str, exec_id: str) -> str | None:
-        """The host's process key of a running streamed exec of the tenant, so any replica
-        can signal or cancel it through the sandbox's handle."""
-        with self._db.read("stream_key") as tx:
-            row = tx.one("SELECT tenant, key FROM streams WHERE sandbox = ? AND exec = ?",
-                         api_id, exec_id)
-        return row[1] if row is not None and row[0] == tenant else None
 
     # --- leases ----------------------------------------------------------------------------
 
@@ -565,90 +397,6 @@ class Books:
     async def unlease(self, key: str, holder: str) -> None:
         with self._db.write("unlease", durable=False) as tx:
             tx.run("DELETE FROM leases WHERE key = ? AND holder = ?", key, holder)
-
-    # --- what tenants keep: snapshots and filesystem images --------------------------------
-
-    async def take_started(self, take: str, kind: str, tenant: str, source: str) -> None:
-        """A snapshot or image is being taken of the sandbox ``source`` (its runtime id):
-        what a crash before ``keep`` leaves on a node is then the tenant's, for reconcile."""
-        with self._db.write("take_started") as tx:
-            tx.run("INSERT INTO takes (id, kind, tenant, source, at) VALUES (?, ?, ?, ?, ?)",
-                   take, kind, tenant, source, time.time())
-            if _count(tx, "takes") > MAX_TAKES:
-                for (tid,) in tx.all("SELECT id FROM takes ORDER BY at DESC")[MAX_TAKES:]:
-                    tx.run("DELETE FROM takes WHERE id = ?", tid)
-
-    async def take_ended(self, take: str) -> None:
-        with self._db.write("take_ended") as tx:
-            tx.run("DELETE FROM takes WHERE id = ?", take)
-
-    async def keep(self, kind: str, tenant: str, key: str, kept: dict[str, Any],
-                   take: str | None = None) -> str | None:
-        """Keep a snapshot or a filesystem image (``kind``) for the tenant (None), or why
-        not: the tenant's limit of that kind is reached (lost ones count until deleted)."""
-        with self._db.write("keep") as tx:
-            if take is not None:
-                tx.run("DELETE FROM takes WHERE id = ?", take)
-            have = tx.all("SELECT lost FROM kept WHERE kind = ? AND tenant = ?", kind, tenant)
-            if len(have) >= self._b.limit(kind):
-                lost = sum(1 for (x,) in have if x)
-                return (f"{len(have)} {kind}s kept, the limit; delete one"
-                        + (f" ({lost} of them lost)" if lost else ""))
-            tx.run("INSERT INTO kept (kind, tenant, key, value, at) VALUES (?, ?, ?, ?, ?)",
-                   kind, tenant, key, _js(kept), time.time())
-        return None
-
-    async def kept_keys(self, kind: str, tenant: str) -> list[str]:
-        """The tenant's kept ``kind`` that are not lost, oldest first."""
-        return (await self.kept_list(kind, tenant))["keys"]
-
-    async def kept_list(self, kind: str, tenant: str) -> dict[str, list[str]]:
-        """``{"keys": [...], "lost": [...]}``: the tenant's kept ``kind``, oldest first."""
-        with self._db.read("kept_list") as tx:
-            found = tx.all("SELECT key, lost FROM kept WHERE kind = ? AND tenant = ? ORDER BY "
-                           "at", kind, tenant)
-        return {"keys": [k for k, lost in found if not lost],
-                "lost": [k for k, lost in found if lost]}
-
-    async def kept_count(self, kind: str, tenant: str) -> int:
-        with self._db.read("kept_count") as tx:
-            return int(tx.one("SELECT COUNT(*) FROM kept WHERE kind = ? AND tenant = ?", kind,
-                              tenant)[0])
-
-    async def kept(self, kind: str, tenant: str, key: str) -> dict[str, Any] | None:
-        """The kept value (``"lost"``: why, if it is)."""
-        with self._db.read("kept") as tx:
-            row = tx.one("SELECT value, lost FROM kept WHERE kind = ? AND tenant = ? AND "
-                         "key = ?", kind, tenant, key)
-        if row is None:
-            return None
-        value: dict[str, Any] = json.loads(row[0])
-        return {**value, "lost": row[1]} if row[1] else value
-
-    async def drop(self, kind: str, tenant: str, key: str) -> dict[str, Any] | None:
-        with self._db.write("drop") as tx:
-            row = tx.one("SELECT value FROM kept WHERE kind = ? AND tenant = ? AND key = ?",
-                         kind, tenant, key)
-            tx.run("DELETE FROM kept WHERE kind = ? AND tenant = ? AND key = ?", kind, tenant,
-                   key)
-        return json.loads(row[0]) if row is not None else None
-
-    async def kept_all(self) -> list[list[Any]]:
-        """Every kept thing of every tenant: [kind, tenant, key, value, lost]."""
-        with self._db.read("kept_all") as tx:
-            return [[kind, tenant, key, json.loads(value), lost] for kind, tenant, key, value,
-                    lost in tx.all("SELECT kind, tenant, key, value, lost FROM kept")]
-
-    async def mark_lost(self, kind: str, tenant: str, key: str, why: str | None) -> None:
-        """Mark a kept thing lost (``why``), or found again (None)."""
-        with self._db.write("mark_lost") as tx:
-            tx.run("UPDATE kept SET lost = ? WHERE kind = ? AND tenant = ? AND key = ?", why,
-                   kind, tenant, key)
-
-    async def takes(self) -> list[list[Any]]:
-        """Takes begun and never kept nor ended: [id, kind, tenant, source, at]."""
-        with self._db.read("takes") as tx:
-            return [list(r) for r in tx.all("SELECT id, kind, tenant, source, at FROM takes")]
 
     # --- volumes -----------------------------------------------------------------------------
 
@@ -775,12 +523,12 @@ class Shared:
     async def __call__(self, method: str, *args: Any, wait: float = 0.0) -> Any:
         if self._books is not None:
             try:
-                return await getattr(self._books, method)(*args)
+                return await self._books.step(method, *args)
             except ConnectionError as exc:
                 log.warning("the service's books failed on %s: %s", method, exc)
                 raise _errors.refusal(503, "the service's shared state did not answer; "
                                            "retry shortly") from None
-        ref = getattr(self._actor, method).remote(*args)
+        ref = self._actor.step.remote(method, *args)
         try:
             return await asyncio.wait_for(asyncio.wrap_future(ref.future()),
                                           self._timeout + wait)

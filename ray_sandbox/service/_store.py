@@ -17,6 +17,7 @@ last ones, never the database's consistency). Driver failures leave as ``Connect
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import re
 import sqlite3
@@ -350,3 +351,15 @@ def row_counts(store: Store) -> dict[str, int]:
     """Rows per table, for the metrics."""
     with store.read("count") as tx:
         return {t: int((tx.one(f"SELECT COUNT(*) FROM {t}") or (0,))[0]) for t in TABLES}
+
+
+def count(tx: Tx, where: str, *args: Any) -> int:
+    """``SELECT COUNT(*) FROM {where}`` in ``tx``."""
+    row = tx.one(f"SELECT COUNT(*) FROM {where}", *args)
+    assert row is not None
+    return int(row[0])
+
+
+def js(value: Any) -> str:
+    """A JSON column's text: compact and with sorted keys, so equal values store equal."""
+    return json.dumps(value, separators=(",", ":"), sort_keys=True)

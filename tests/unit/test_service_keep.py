@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 
 from ray_sandbox.service import from_env
+from ray_sandbox.service._bounds import FS_IMAGE, Bounds
 from ray_sandbox.service._kept import TenantKept
-from ray_sandbox.service._state import FS_IMAGE, Books, Bounds, Shared
+from ray_sandbox.service._state import Books, Shared
 
 
 class Take:
@@ -65,15 +66,15 @@ def test_a_take_finished_after_its_request_gave_up_is_kept(tmp_path):
             await k.take(take)
         take.done.set_result("late")
         await k.settled()
-        assert await k.books.kept_keys(FS_IMAGE, "t") == ["late"] and k.discarded == []
+        assert await k.books.kept.kept_keys(FS_IMAGE, "t") == ["late"] and k.discarded == []
 
         request = asyncio.ensure_future(k.take(take := Take()))
         await asyncio.wait_for(take.started.wait(), 5)
         request.cancel()  # the caller went away
         take.done.set_result("orphan")
         await k.settled()
-        assert await k.books.kept_keys(FS_IMAGE, "t") == ["late", "orphan"]
-        assert await k.books.takes() == []  # each take's record ended with its keeping
+        assert await k.books.kept.kept_keys(FS_IMAGE, "t") == ["late", "orphan"]
+        assert await k.books.kept.takes() == []  # each take's record ended with its keeping
 
     asyncio.run(main())
 
@@ -91,7 +92,7 @@ def test_what_the_limit_refuses_after_the_take_is_discarded(tmp_path):
         second.done.set_result("b")
         with pytest.raises(Exception, match="1 filesystem images kept"):
             await two
-        assert k.discarded == ["b"] and await k.books.kept_keys(FS_IMAGE, "t") == ["a"]
-        assert await k.books.takes() == []
+        assert k.discarded == ["b"] and await k.books.kept.kept_keys(FS_IMAGE, "t") == ["a"]
+        assert await k.books.kept.takes() == []
 
     asyncio.run(main())
