@@ -42,16 +42,23 @@ def _blob(layout: Path, digest: Any) -> Any:
     return _json(layout / "blobs" / "sha256" / m.group(1))
 
 
+MAX_HISTORY = 256  # entries of an image's history looked at
+
+
 def image_source(layout: Path) -> str | None:
-    """The runtime id of the sandbox a filesystem image was taken of (its config's history
-    says), or None if unreadable."""
+    """The runtime id of the sandbox a filesystem image was taken of (the newest entry of its
+    config's history that names one: a diff image's is after its base image's), or None if
+    unreadable."""
     try:
         manifest = _blob(layout, _json(layout / "index.json")["manifests"][0]["digest"])
         config = _blob(layout, manifest["config"]["digest"])
-        m = _SOURCE_RE.search(str(config["history"][0]["created_by"]))
-    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        for item in reversed(config["history"][-MAX_HISTORY:]):
+            m = _SOURCE_RE.search(str(item.get("created_by", "")))
+            if m:
+                return m.group(1)
+    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError):
         return None
-    return m.group(1) if m else None
+    return None
 
 
 @ray.remote(num_cpus=0)
