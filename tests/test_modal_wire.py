@@ -62,6 +62,38 @@ def test_create_exec_streams_stdin_and_wait(modal_service: ModalService, tmp_pat
     assert "RC None 137" in out  # wait() returns None; returncode 137 (terminated)
 
 
+def test_stdin_eof_after_the_command_exited(modal_service: ModalService, tmp_path):
+    """A command may exit between a stdin write and the EOF that follows it (under load the
+    entrypoint test's did): the EOF then closes nothing, as on a closed pipe, and is no error;
+    the same for an exec's stdin."""
+    out = modal_service.ok("""
+        import modal
+
+        app = modal.App.lookup("wire-eof", create_if_missing=True)
+        sb = modal.Sandbox.create("sh", "-c", "read x; echo got:$x; exit 7", app=app,
+                                  timeout=60)
+        sb.stdin.write(b"zz\\n")
+        sb.stdin.drain()
+        print("OUT", sb.stdout.read().split())  # to its end: the command has exited
+        sb.stdin.write_eof()
+        sb.stdin.drain()
+        sb.wait()
+        print("RC", sb.returncode)
+
+        sb = modal.Sandbox.create(app=app, timeout=60)
+        p = sb.exec("sh", "-c", "read x; echo exec:$x")
+        p.stdin.write(b"yy\\n")
+        p.stdin.drain()
+        print("EXEC", p.stdout.read().split(), p.wait())
+        p.stdin.write_eof()
+        p.stdin.drain()
+        print("AFTER", p.returncode)
+        sb.terminate()
+    """, tmp_path)
+    assert "OUT ['got:zz']" in out and "RC 7" in out
+    assert "EXEC ['exec:yy'] 0" in out and "AFTER 0" in out
+
+
 def test_entrypoint_output_stdin_exit_code_and_timeouts(modal_service: ModalService,
                                                        tmp_path):
     out = modal_service.ok("""

@@ -24,7 +24,7 @@ from typing import Any
 
 import anyio
 
-from ..runtime.errors import SandboxError, SandboxStateError
+from ..runtime.errors import SandboxError, SandboxNotFoundError, SandboxStateError
 from ..runtime.results import ExecResult
 from ..runtime.verbs import SpawnRequest
 from . import _errors
@@ -206,6 +206,8 @@ class Proc:
             if offset > self.stdin_offset:
                 raise _gap(offset, self.stdin_offset)
             data = data[self.stdin_offset - offset:]
+            if self.done.is_set():  # it exited and its pump closed it on the host: a write
+                self.stdin_closed = True  # (or an EOF) after that is one to a closed pipe
             try:
                 if data and not self.stdin_closed:
                     await self._call(self.handle.process.remote(self.key, "write_stdin", data))
@@ -215,6 +217,10 @@ class Proc:
                     await self._call(self.handle.process.remote(self.key, "close_stdin"))
             except SandboxStateError:
                 self.stdin_closed = True  # it exited: its output and exit are still kept
+            except SandboxNotFoundError:
+                if not self.done.is_set():  # not our pump's close racing this write
+                    raise
+                self.stdin_closed = True
 
     async def kill(self) -> None:
         if self.key is not None and not self.done.is_set():
