@@ -9,4 +9,5 @@ pytest_plugins = [
     "tests.fx_ray",
     "tests.fx_hostile",
     "tests.fx_service",
+    "tests.fx_durations",
 ]
