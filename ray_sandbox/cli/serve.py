@@ -66,8 +66,8 @@ def serve(
         help="where clients reach the service, for port URLs (default: the base each "
              "request came to)")] = None,
     state_db: Annotated[str | None, typer.Option(
-        help="where the books are kept: postgresql://USER:PW@HOST/DB or a SQLite file "
-             "(absolute path); default a SQLite file in the head node's home")] = None,
+        help="where the books are kept: a postgresql:// URL or a SQLite file (absolute "
+             "path); default a SQLite file in the head node's home")] = None,
     reconcile: Annotated[bool, typer.Option(
         "--reconcile", help="do not serve: compare the books with the nodes once (what they "
         "name that no node has is marked lost; what the nodes hold that they never named is "
@@ -77,12 +77,13 @@ def serve(
         "many seconds")] = None,
     modal_port: Annotated[int | None, typer.Option(
         help="also serve Modal's gRPC API on this port: unmodified `modal` scripts run with "
-             "MODAL_SERVER_URL=http://HOST:PORT, MODAL_TOKEN_ID=<tenant>, "
-             "MODAL_TOKEN_SECRET=<its token> (docs/modal.md; needs ray_sandbox[modal])")
+             "MODAL_SERVER_URL pointing here and a tenant's name and token as "
+             "MODAL_TOKEN_ID and MODAL_TOKEN_SECRET (docs/modal.md; needs "
+             "ray_sandbox[modal])")
     ] = None,
     modal_image_alias: Annotated[list[str], typer.Option(
-        help="IMAGE=OTHER: a Modal script's image booted as another, e.g. "
-             "python:3.12-slim=ray-sandbox/python:3.13 (offline); repeatable")
+        help="IMAGE=OTHER: a Modal script's image IMAGE booted as OTHER (offline), e.g. "
+             "IMAGE python:3.12-slim, OTHER ray-sandbox/python:3.13; repeatable")
     ] = [],  # noqa: B006 - typer reads the default
     modal_url: Annotated[str | None, typer.Option(
         help="where Modal's clients reach --modal-port (scheme://host:port), handed out as "
