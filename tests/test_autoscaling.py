@@ -14,6 +14,7 @@ import pytest
 
 from ray_sandbox.runtime import ImageStore, SandboxRuntime
 from ray_sandbox.runtime.paths import images
+from tests.fx_hostile import heavy
 from tests.fx_runtime import leftovers
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -33,6 +34,7 @@ def _cmdlines_with(needle: str) -> list[str]:
 
 
 @pytest.mark.timeout(600)
+@heavy  # 27 s in CI: a scenario, not a regression guard
 def test_sandbox_demand_scales_the_cluster_up_from_zero_and_back_down(
         tmp_path, default_image):
     home = tmp_path / "home"

@@ -16,7 +16,7 @@ import pytest
 
 import ray_sandbox as sandbox
 from ray_sandbox.runtime.errors import BatchCreateError, CapacityError
-from tests.fx_hostile import wait_until
+from tests.fx_hostile import heavy, wait_until
 from tests.fx_ray import homes_cluster, host_pid
 
 RAY_CLI = str(Path(sys.executable).with_name("ray"))
@@ -79,6 +79,7 @@ def test_create_many_spreads_over_nodes_one_call_each(cluster):
         _terminate(ray, made)
 
 
+@heavy  # 25 s in CI
 def test_a_full_cluster_is_pending_ray_demand_then_a_capacity_error(cluster):
     ray, c, _, nodes = cluster
     # the earlier tests' blocks are given back first, or they would hold some of the CPUs

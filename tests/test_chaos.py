@@ -24,7 +24,7 @@ import pytest
 
 from ray_sandbox.runtime import SandboxRuntime, SandboxState, procfs
 from ray_sandbox.runtime.errors import SandboxDiedError, SandboxError, SandboxNotFoundError
-from tests.fx_hostile import answers, runsc_pid, settle_state, wait_until
+from tests.fx_hostile import answers, heavy, runsc_pid, settle_state, wait_until
 from tests.fx_ray import host_pid
 from tests.fx_runtime import leftovers, leftovers_after_teardown
 
@@ -331,6 +331,7 @@ def test_worker_node_death_gives_ray_errors_and_reaper_cleans(chaos_cluster, ray
 
 
 @pytest.mark.timeout(300)
+@heavy  # 13 s in CI
 def test_shutdown_after_a_node_death_does_not_hang(chaos_cluster):
     """``ray_sandbox.shutdown()`` right after a node died returns within a minute, skipping
     the dead node's host (dead, or still RESTARTING) instead of raising its Ray error."""

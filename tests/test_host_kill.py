@@ -8,6 +8,7 @@ import time
 import pytest
 
 import ray_sandbox as sandbox
+from tests.fx_hostile import heavy
 
 
 @pytest.mark.xfail(strict=True, reason=(
@@ -15,6 +16,7 @@ import ray_sandbox as sandbox
     "and their runsc processes running until the next create on that node starts a fresh host "
     "that reaps them (a SIGKILL restarts the host at once: tests/test_chaos.py). Fix: restart "
     "the host from the driver side when a call finds it dead, or a per-node watchdog"))
+@heavy  # 31 s in CI, an xfail of a known gap
 def test_ray_kill_of_a_host_releases_what_its_sandboxes_hold(ray_cluster, ray_home):
     import json
 

@@ -26,7 +26,7 @@ from typer.testing import CliRunner
 from ray_sandbox.cli.mcp import app as mcp_cli
 from ray_sandbox.mcp import MCPServerConfig, SandboxMCPServer
 from ray_sandbox.runtime import ImageStore, SandboxRuntime
-from tests.fx_hostile import cgroup_value
+from tests.fx_hostile import cgroup_value, heavy
 from tests.fx_images import scratch_dir
 
 TOOLS = {"run_python", "run_shell", "read_file", "write_file", "list_dir", "reset_sandbox"}
@@ -388,6 +388,7 @@ def test_http_sessions(http_server: str, rt_home: Path) -> None:
     run(main)
 
 
+@heavy  # 26 s in CI
 def test_http_results_fit_the_clients_event_limit(http_server: str, rt_home: Path) -> None:
     """The official client refuses SSE events over 1 MiB; a result is sent twice (structured
     and as text) and JSON escapes control characters six-fold. Big or hostile files and

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests import fx_modal_wire
+from tests.fx_hostile import heavy
 from tests.fx_modal_wire import ModalService
 from tests.fx_service import free_port
 from tests.test_service_cli import CLI
@@ -250,6 +251,7 @@ def test_tags_filter_the_listing(modal_service: ModalService, tmp_path):
     assert "SET True" in out
 
 
+@heavy  # 13 s in CI, image builds
 def test_images_registry_alias_debian_slim_dsl_and_dockerfile(modal_service: ModalService,
                                                               tmp_path):
     (tmp_path / "Dockerfile").write_text(

@@ -13,7 +13,7 @@ import pytest
 
 from ray_sandbox.runtime import errors
 from ray_sandbox.runtime.paths import images
-from tests.fx_hostile import wait_until
+from tests.fx_hostile import heavy, wait_until
 from tests.fx_ray import host_pid
 from tests.fx_runtime import leftovers
 from tests.test_agent_untrusted import FAKE_AGENT
@@ -107,6 +107,7 @@ class Watch:
 
 
 @pytest.mark.timeout(600)
+@heavy  # 17 s in CI
 def test_one_hostile_sandbox_cannot_take_down_its_node(outage_cluster, tmp_path):
     ray, home = outage_cluster
     import ray_sandbox as sandbox

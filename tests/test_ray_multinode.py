@@ -14,6 +14,7 @@ import pytest
 from ray_sandbox.actor import api
 from ray_sandbox.actor.rollout import branching_rollout
 from ray_sandbox.runtime import ImageInUseError, SandboxState
+from tests.fx_hostile import heavy
 from tests.fx_ray import homes_cluster
 
 # Written to a temp file and renamed: a read must never see the truncated file (seen in CI).
@@ -111,6 +112,7 @@ def test_files_cross_nodes_byte_exact(cluster, tmp_path):
         ray.get(sb.terminate.remote())
 
 
+@heavy  # 13 s in CI
 def test_fork_same_node_keeps_state_and_reserves_each_child(cluster):
     ray, _, nodes = cluster
     total = _wait_cpu(ray, 4.0)
@@ -190,6 +192,7 @@ def test_a_filesystem_image_starts_sandboxes_on_another_node(cluster):
         assert not any((home / "fs-images").rglob("blobs"))
 
 
+@heavy  # 22 s in CI; test_suspend_ray covers one node
 def test_suspend_frees_the_reservation_and_resume_takes_it_again(cluster):
     ray, _, nodes = cluster
     total = _wait_cpu(ray, 4.0)

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.fx_books import Deployed, deploy, kill_the_state_actor_mid_load, running, teardown
+from tests.fx_hostile import heavy
 from tests.fx_postgres import postgres  # noqa: F401 - the fixture
 from tests.fx_ray import homes_cluster
 from tests.test_service_replicas import REPLICA, on_each, on_other
@@ -71,10 +72,12 @@ def test_two_replicas_on_two_nodes_share_their_books_in_postgresql(svc: Deployed
         assert c.delete(f"/sandboxes/{sid}").status_code == 200
 
 
+@heavy  # 19 s in CI; the SQLite twin runs by default
 def test_the_state_actor_killed_mid_load_reloads_from_postgresql(svc: Deployed):
     kill_the_state_actor_mid_load(svc)
 
 
+@heavy  # 12 s in CI; the SQLite twin runs by default
 def test_the_whole_app_deleted_and_started_again_reloads_from_postgresql(svc: Deployed):
     with svc.client() as c, svc.client("bob") as bob:
         sid = c.post("/sandboxes", json={**SMALL, "labels": {"suite": "pg"}}).json()[

@@ -10,7 +10,7 @@ import pytest
 
 import ray_sandbox as sandbox
 from ray_sandbox.actor.stock import MISS_CAUSES
-from tests.fx_hostile import wait_until
+from tests.fx_hostile import heavy, wait_until
 from tests.fx_ray import homes_cluster
 
 OPTS = {"image": "ray-sandbox/busybox", "memory": "32Mi", "cpu": 0.1}
@@ -78,6 +78,7 @@ def test_a_steady_caller_is_stocked_ahead_and_every_miss_has_a_cause(tmp_path):
 
 
 @pytest.mark.timeout(300)
+@heavy  # 10 s in CI
 def test_under_memory_pressure_nothing_is_stocked(tmp_path):
     """A node whose available memory is under the stock's floor (here: a floor no node has)
     boots nothing ahead; the next create's miss says why."""

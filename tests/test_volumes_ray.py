@@ -26,6 +26,7 @@ from ray_sandbox.runtime.errors import (
     VolumeInUseError,
     VolumeNotFoundError,
 )
+from tests.fx_hostile import heavy
 from tests.fx_ray import homes_cluster
 
 
@@ -37,6 +38,7 @@ def _idle(name: str, timeout: float = 60.0) -> bool:
     return not inspect_volume(name).mounts
 
 
+@heavy  # 11 s in CI
 def test_sandboxes_go_to_their_volumes_node(tmp_path_factory, default_image, busybox_image):
     import ray
 
