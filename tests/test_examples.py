@@ -15,6 +15,7 @@ import pytest
 
 from ray_sandbox.runtime import ImageStore, SandboxRuntime
 from ray_sandbox.runtime.paths import images
+from tests.fx_hostile import heavy
 from tests.fx_runtime import leftovers
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -37,6 +38,7 @@ def _run(tmp_path: Path, script: str | Path, *args: str, cwd: Path | None = None
 
 
 @pytest.mark.timeout(300)
+@heavy  # 13 s in CI; test_rollout_demo_main_job runs the pool path
 def test_custom_pool_actor_example(tmp_path, default_image):
     out = _run(tmp_path, "custom_pool_actor.py", "--sandboxes", "2", "--jobs", "6")
     lines = out.splitlines()
@@ -48,6 +50,7 @@ def test_custom_pool_actor_example(tmp_path, default_image):
 
 
 @pytest.mark.timeout(300)
+@heavy  # 11 s in CI; tests/test_agent_files.py covers transfers
 def test_file_transfer_example(tmp_path, default_image):
     out = _run(tmp_path, "file_transfer.py", "--workdir", str(tmp_path / "work"))
     assert "Training complete" in out

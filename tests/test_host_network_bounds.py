@@ -24,6 +24,7 @@ from ray_sandbox.runtime.network import dns, procs
 from ray_sandbox.runtime.network import netns as _netns
 from ray_sandbox.runtime.network import state as _state
 from ray_sandbox.runtime.network.procs import ProcRef
+from tests.fx_hostile import heavy
 from tests.fx_network import DNS_SERVER, INET, WEB, WEB2, Sandboxes
 from tests.fx_runtime import leftovers
 
@@ -176,6 +177,7 @@ def test_dns_helper_threads_stay_bounded_under_held_tcp_connections(
 # --- finding 5: a UDP flood against a slow upstream ---------------------------------------
 
 
+@heavy  # 11 s in CI, a flood
 def test_dns_helper_memory_stays_bounded_under_a_udp_flood(
     image_store, net_home, upstream, default_image
 ) -> None:

@@ -225,6 +225,7 @@ def test_disk_limit_is_enforced(runtime, where):
 # --- output --------------------------------------------------------------------------------------
 
 
+@heavy  # 31 s in CI; the agent's and the host's output caps are also tested apart
 def test_output_flood_is_capped_and_host_memory_bounded(runtime, sandbox):
     base = rss_bytes()
     res = runtime.exec(sandbox, "head -c 64000000 /dev/zero; head -c 32000000 /dev/zero >&2",
@@ -259,6 +260,7 @@ print("opened", len(files), flush=True)
 """
 
 
+@heavy  # 11 s in CI, a flood
 def test_thousands_of_open_files_are_contained(runtime, neighbour):
     sid = runtime.create(image="ray-sandbox/python", memory="512Mi", cpu=1)
     try:

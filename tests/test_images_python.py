@@ -22,7 +22,7 @@ import ray_sandbox.modal as modal
 from ray_sandbox.runtime import SandboxRuntime
 from ray_sandbox.runtime.errors import ImageNotFoundError, ModalInvalidError
 from ray_sandbox.runtime.images import ImageStore, PullPolicy, store
-from tests.fx_hostile import HEAVY
+from tests.fx_hostile import HEAVY, heavy
 from tests.fx_runtime import leftovers
 
 CLI = str(Path(sys.executable).parent / "ray-sandbox")
@@ -147,6 +147,7 @@ def python313_cached(image_store: ImageStore) -> bool:
     return True
 
 
+@heavy  # 10 s in CI; the 3.11 image's test stays
 def test_python_313_sandbox(runtime: SandboxRuntime, image_store: ImageStore):
     """Modal's ``debian_slim(python_version="3.13")`` gives Python 3.13 with pip and venv.
     Builds the image (~30-60 s, Debian trixie) unless the node has it: heavy then."""

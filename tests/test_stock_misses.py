@@ -30,6 +30,7 @@ def _create_and_end(ray) -> dict:
         ray.get(sb.terminate.remote(), timeout=60)
 
 
+@heavy  # 10 s in CI, a paced scenario
 def test_a_steady_caller_is_stocked_ahead_and_every_miss_has_a_cause(tmp_path):
     import ray
 

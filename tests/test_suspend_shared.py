@@ -9,10 +9,12 @@ import json
 
 from ray_sandbox.actor import api
 from ray_sandbox.runtime import ImageStore, SandboxRuntime, SandboxState
+from tests.fx_hostile import heavy
 from tests.fx_ray import homes_cluster
 from tests.fx_runtime import NODE_IMAGES
 
 
+@heavy  # 12 s in CI, a two-node scenario
 def test_a_dead_nodes_suspended_sandbox_is_taken_over_from_the_shared_path(
         tmp_path_factory, default_image, busybox_image):
     import ray
