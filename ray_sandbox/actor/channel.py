@@ -234,11 +234,18 @@ class _Client:
         try:
             sock.settimeout(FRAME_S)
             sock.connect(self._path)
+        except OSError:
+            sock.close()
+            return NotSent.STALE  # no host listening
+        try:
             _send(sock, self._token)
+        except OSError:  # a full host answers and closes before reading the token: the
+            pass  # answer is still there to read (EPIPE here is not a stranger's refusal)
+        try:
             answer = _recv_exact(sock, 1)
         except (OSError, ConnectionError):
             sock.close()
-            return NotSent.STALE  # no host listening, or it closed on our token
+            return NotSent.STALE  # it closed on our token (a restarted host)
         if answer != _ACK:
             sock.close()
             return NotSent.BUSY
