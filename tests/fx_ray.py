@@ -68,6 +68,27 @@ def assert_reaped_clean(home: Path) -> None:
 
     SandboxRuntime(home, reap=True, images=ImageStore(NODE_IMAGES))
     assert leftovers(home) == {}, leftovers(home)
+    stored = remove_stored_images_of(home)
+    assert stored == [], f"filesystem images of {home} left in the node's store: {stored}"
+
+
+def remove_stored_images_of(home: Path) -> list[str]:
+    """Remove, and name, the node store's images made from layouts under ``home`` (a
+    filesystem image that nobody deleted): the store is shared and outlives the home."""
+    import json
+
+    from ray_sandbox.runtime import ImageStore
+
+    store, found = ImageStore(NODE_IMAGES), []
+    for ref_file in sorted((Path(NODE_IMAGES) / "refs").glob("*.json")):
+        try:
+            ref = json.loads(ref_file.read_text())["ref"]
+        except (OSError, ValueError, KeyError):
+            continue
+        if ref.startswith(f"oci:{home}/"):
+            found.append(ref)
+            store.remove(ref)
+    return found
 
 
 def host_pid(ray, host) -> int:

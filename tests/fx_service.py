@@ -58,6 +58,7 @@ def service(request, ray_cluster, tmp_path_factory) -> Iterator[Service]:
         yield Service(url, audit)
     finally:
         _delete_service_sandboxes()
+        _delete_tenants_kept(Service(url, audit))
         svc.stop()
 
 
@@ -117,6 +118,19 @@ def _delete_service_sandboxes() -> None:
     for tenant in TOKENS:
         handles = ray_sandbox.list({TENANT_LABEL: tenant})
         ray.get([h.terminate.remote() for h in handles], timeout=120)
+
+
+def _delete_tenants_kept(service: Service) -> None:
+    """What the module's tenants kept and never deleted (filesystem images, snapshots), deleted
+    as a tenant does: the node's image store outlives the module's home."""
+    for tenant in TOKENS:
+        with service.client(tenant) as c:
+            for kind, key in (("filesystem-images", "images"), ("snapshots", "snapshots")):
+                listed = c.get(f"/{kind}")
+                if listed.status_code != 200:
+                    continue
+                for item in listed.json().get(key, []):
+                    c.delete(f"/{kind}/{str(item).rpartition('/')[2]}")
 
 
 def poll(c: httpx.Client, path: str, pending: str, limit: float = 120) -> dict:
