@@ -1,5 +1,9 @@
 """SandboxConfig: the one description of a sandbox, shared by the runtime, the Ray layer,
-pools and integrations. Everything is validated here, before any work is done."""
+pools and integrations. Everything is validated here, before any work is done.
+
+(Over 600 lines on purpose: one pydantic model whose fields carry their own descriptions, which
+the CLI, the service's schema and the tenant policy read; the egress, volume and port
+sub-models used by those fields sit beside it.)"""
 
 from __future__ import annotations
 

@@ -2,7 +2,10 @@
 (image pin, root overlay, disk, volumes, network, bundle, record, runsc, agent ready) and its exact
 inverse. Everything a launch made is undone by :meth:`Launcher.destroy`, which also cleans
 up after a launch that stopped half-way. :meth:`Launcher.delete` is the same in two phases:
-the sandbox stops at once, the rest is torn down in the background (:class:`Teardowns`)."""
+the sandbox stops at once, the rest is torn down in the background (:class:`Teardowns`).
+
+(~610 lines: a launch and its exact inverse belong side by side, so that every step made has
+its undo in view; bundle, disk, network and mounts are their own modules.)"""
 
 from __future__ import annotations
 

@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 from ray_sandbox.runtime import bundle, secrets
 from ray_sandbox.runtime.config import EgressPolicy, boot_key, covers, make_config
 from ray_sandbox.runtime.errors import ConfigError, ProxyRefusal
-from ray_sandbox.runtime.network import inject, policy
-from ray_sandbox.runtime.network.inject import Masker, Policy, client_hello_sni, framing
+from ray_sandbox.runtime.network import http1, inject, policy
+from ray_sandbox.runtime.network.http1 import Masker, client_hello_sni, framing
+from ray_sandbox.runtime.network.inject import Policy
 
 RULE = {"domain": "api.test", "headers": {"Authorization": "Bearer $TOKEN"}, "secret": "api"}
 
@@ -199,7 +200,7 @@ def test_no_client_hello_breaks_the_parser(data):
 
 
 def _head(text: str):
-    return inject.parse_head(text.replace("\n", "\r\n").encode() + b"\r\n\r\n"
+    return http1.parse_head(text.replace("\n", "\r\n").encode() + b"\r\n\r\n"
                              if not text.endswith("\n\n") else text.encode())
 
 
@@ -239,7 +240,7 @@ def test_ambiguous_request_framing_is_refused(lines):
 
 def test_the_rules_headers_replace_the_sandboxs_own():
     start, headers = _head("GET / HTTP/1.1\nHost: api.test\nauthorization: mine\nX-Keep: 1")
-    out = inject._rewrite(start, headers, {"Authorization": "Bearer real"})
+    out = http1.rewrite(start, headers, {"Authorization": "Bearer real"})
     assert out == (b"GET / HTTP/1.1\r\nHost: api.test\r\nX-Keep: 1\r\n"
                    b"Authorization: Bearer real\r\n\r\n")
 

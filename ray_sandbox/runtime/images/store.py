@@ -1,7 +1,10 @@
 """The node-local image store: :class:`ImageStore` pulls each image once per node (skopeo),
 builds the offline ones (:data:`LOCAL_IMAGES`), unpacks each once into a shared read-only
 rootfs keyed by manifest digest (umoci) and answers cached lookups without starting a process.
-Its files are described in :mod:`.storedir`."""
+Its files are described in :mod:`.storedir`.
+
+(~620 lines: the store's public operations, each taking the store's lock the same way; the
+reference parsing, eviction, pins, layers and pulls already live in their own modules.)"""
 
 from __future__ import annotations
 
